@@ -1,0 +1,1 @@
+"""graphpipe: graph pipeline parallelism for JAX / Flax."""

@@ -1,0 +1,1 @@
+"""The paper model zoo (filled in by graphpipe/models/*.py)."""

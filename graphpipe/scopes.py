@@ -1,0 +1,103 @@
+"""Module-path names on traced equations.
+
+Linen wraps every module call in a named scope, so the equations of a linen
+model already carry their module path in `source_info.name_stack`. NNX does
+not. `nnx_module_scopes` wraps the `__call__` of every NNX module class found
+in a model in `jax.named_scope(MARK + path)` for the duration of a trace, and
+restores the classes afterwards, also when the trace fails.
+
+`module_chain` reads a name stack back into the chain of module paths that
+were active, outermost first, for either framework.
+"""
+
+import contextlib
+import functools
+
+import jax
+from flax import nnx
+
+# Marks the scopes this module adds, so user scopes inside NNX modules are
+# not mistaken for module boundaries.
+MARK = "gp:"
+
+
+def path_to_str(path) -> str:
+  """('blocks', 0, 'lin') -> 'blocks.0.lin'."""
+  return ".".join(str(p) for p in path)
+
+
+def _defining_class(cls):
+  for klass in cls.__mro__:
+    if "__call__" in klass.__dict__:
+      return klass
+  return None
+
+
+@contextlib.contextmanager
+def nnx_module_scopes(model: nnx.Module):
+  """Names every NNX submodule call of `model` after its path while active.
+
+  The root module gets no scope: equations of its own body are the model's
+  glue code. Methods other than `__call__` are not wrapped; their equations
+  belong to the module that calls them.
+
+  Args:
+    model: the (merged) model whose module instances are traced.
+  """
+  paths = {}
+  for path, module in nnx.iter_modules(model):
+    if path:
+      paths[id(module)] = MARK + path_to_str(path)
+  classes = {}
+  for _, module in nnx.iter_modules(model):
+    klass = _defining_class(type(module))
+    if klass is not None and klass not in classes:
+      classes[klass] = klass.__dict__["__call__"]
+
+  def wrap(original):
+    @functools.wraps(original)
+    def call(self, *args, **kwargs):
+      name = paths.get(id(self))
+      if name is None:
+        return original(self, *args, **kwargs)
+      with jax.named_scope(name):
+        return original(self, *args, **kwargs)
+
+    return call
+
+  try:
+    for klass, original in classes.items():
+      setattr(klass, "__call__", wrap(original))
+    yield
+  finally:
+    for klass, original in classes.items():
+      setattr(klass, "__call__", original)
+
+
+def module_chain(name_stack, framework: str) -> tuple[str, ...]:
+  """The module paths active at an equation, outermost first.
+
+  Args:
+    name_stack: an equation's `source_info.name_stack`.
+    framework: "nnx" (scopes added by `nnx_module_scopes`) or "linen" (one
+      scope per module, the first being the root module's class name).
+
+  Returns:
+    e.g. ('blocks.0', 'blocks.0.lin'); () for the root module's own code and
+    for code outside the model.
+  """
+  names = [s.name for s in name_stack.stack if type(s).__name__ == "Scope"]
+  if framework == "nnx":
+    chain = []
+    for name in names:
+      if name.startswith(MARK):
+        path = name[len(MARK) :]
+        if not chain or chain[-1] != path:
+          chain.append(path)
+    return tuple(chain)
+  if framework == "linen":
+    chain = []
+    for name in names[1:]:
+      chain.append(f"{chain[-1]}.{name}" if chain else name)
+    return tuple(chain)
+  raise ValueError(f"unknown framework {framework!r}")
