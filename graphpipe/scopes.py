@@ -67,11 +67,11 @@ def nnx_module_scopes(model: nnx.Module):
 
   try:
     for klass, original in classes.items():
-      setattr(klass, "__call__", wrap(original))
+      klass.__call__ = wrap(original)
     yield
   finally:
     for klass, original in classes.items():
-      setattr(klass, "__call__", original)
+      klass.__call__ = original
 
 
 def module_chain(name_stack, framework: str) -> tuple[str, ...]:

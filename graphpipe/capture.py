@@ -1,0 +1,566 @@
+"""`capture`: a Flax model and its loss become an `OpGraph`.
+
+The loss is traced once with `jax.make_jaxpr` on abstract values (no weight
+is materialised, so paper-scale models capture in seconds). Each top-level
+equation is labelled with the module path active when it was traced,
+cut at the requested depth; nodes are then formed in four steps:
+
+1. runs: maximal runs of consecutive equations with the same label. Every
+   run is an interval of a topologically ordered list, so the run graph is a
+   DAG whatever the model does.
+2. shared parameters: a parameter read by several runs merges all runs
+   between its first and last reader (intervals again: still a DAG).
+3. loss terms: a final parameter-free run made only of scalar additions of
+   other runs' scalars (a multi-task loss `loss_a + loss_b`) is dropped and
+   its addends become the graph's loss terms.
+4. glue: a parameter-free run (concatenation, pooling, the loss) joins its
+   only successor, or else its only predecessor. Contracting an edge to a
+   node's only successor (predecessor) cannot close a cycle.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from graphpipe import node_costs
+from graphpipe.errors import CaptureError, GraphCutError
+from graphpipe.graph import Edge, InputSpec, Node, OpGraph
+from graphpipe.program import Program
+from graphpipe.scopes import module_chain, nnx_module_scopes, path_to_str
+
+GRANULARITIES = ("layer", "block")
+
+
+def _key_name(key) -> str:
+  for attr in ("key", "idx", "name"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _leaf_names(tree, drop_value=False) -> list[str]:
+  names = []
+  for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    parts = [_key_name(k) for k in path]
+    if drop_value and parts and parts[-1] == "value":
+      parts = parts[:-1]
+    names.append(path_to_str(parts))
+  return names
+
+
+def _abstract(tree):
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree
+  )
+
+
+def _with_batch_size(batch, size):
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct((size,) + tuple(x.shape[1:]), x.dtype),
+    batch,
+  )
+
+
+class _Bound:
+  """How to call the user's loss on (params, state) for one framework."""
+
+  def __init__(self, model, variables):
+    if isinstance(model, nnx.Module):
+      if variables is not None:
+        raise CaptureError(
+          "variables= is for linen modules; an NNX model carries its own"
+        )
+      self.framework = "nnx"
+      self.graphdef, self.params, self.state = nnx.split(model, nnx.Param, ...)
+      self.param_names = _leaf_names(self.params, drop_value=True)
+      self.state_names = _leaf_names(self.state, drop_value=True)
+      self.root = type(model).__name__
+    elif isinstance(model, nn.Module):
+      if variables is None:
+        raise CaptureError(
+          "a linen module needs its variables: capture(loss_fn, module, "
+          "batch, variables=module.init(...))"
+        )
+      self.framework = "linen"
+      self.module = model
+      variables = dict(variables)
+      self.params = variables.pop("params", {})
+      self.state = variables
+      self.param_names = _leaf_names(self.params)
+      self.state_names = _leaf_names(self.state)
+      self.root = type(model).__name__
+    else:
+      raise CaptureError(
+        f"model must be a flax.nnx.Module or a flax.linen.Module, got "
+        f"{type(model).__name__}"
+      )
+    if not jax.tree.leaves(self.params):
+      raise CaptureError(
+        f"the model {self.root} has no trainable parameters (nnx.Param / "
+        "linen 'params'): there is nothing to train or to place on stages"
+      )
+
+  def call(self, loss_fn, params, state, batch):
+    if self.framework == "nnx":
+      model = nnx.merge(self.graphdef, params, state)
+      before = jax.tree.leaves(nnx.state(model))
+      with nnx_module_scopes(model):
+        loss = loss_fn(model, batch)
+      after = jax.tree.leaves(nnx.state(model))
+      if len(before) != len(after) or any(
+        a is not b for a, b in zip(before, after, strict=True)
+      ):
+        raise CaptureError(
+          "loss_fn changed the model's variables while computing the loss "
+          "(e.g. BatchNorm statistics, dropout RNG counters): graphpipe "
+          "captures pure losses; put such layers in inference mode or "
+          "make them deterministic"
+        )
+      return loss
+    bound = self.module.bind({"params": params, **self.state})
+    return loss_fn(bound, batch)
+
+  def split(self, variables):
+    """User variables (an NNX state/model or linen dict) -> (params, state)."""
+    if self.framework == "nnx":
+      if isinstance(variables, nnx.Module):
+        _, params, state = nnx.split(variables, nnx.Param, ...)
+        return params, state
+      _, params, state = nnx.split(
+        nnx.merge(self.graphdef, variables), nnx.Param, ...
+      )
+      return params, state
+    variables = dict(variables)
+    return variables.pop("params", {}), variables
+
+
+def _labels(jaxpr, framework, depth):
+  labels = []
+  for eqn in jaxpr.eqns:
+    chain = module_chain(eqn.source_info.name_stack, framework)
+    labels.append(chain[min(depth, len(chain)) - 1] if chain else "")
+  return labels
+
+
+def _runs(labels):
+  runs = []
+  for i, label in enumerate(labels):
+    if runs and runs[-1][0] == label:
+      runs[-1][1].append(i)
+    else:
+      runs.append((label, [i]))
+  return runs
+
+
+def _node_deps(jaxpr, groups):
+  owner = {}
+  for n, g in enumerate(groups):
+    for i in g:
+      for v in jaxpr.eqns[i].outvars:
+        owner[v] = n
+  preds = [set() for _ in groups]
+  for n, g in enumerate(groups):
+    for i in g:
+      for v in jaxpr.eqns[i].invars:
+        m = owner.get(v) if not isinstance(v, jax.extend.core.Literal) else None
+        if m is not None and m != n:
+          preds[n].add(m)
+  return preds
+
+
+def _reads(jaxpr, group, vars_):
+  return {
+    v
+    for i in group
+    for v in jaxpr.eqns[i].invars
+    if not isinstance(v, jax.extend.core.Literal) and v in vars_
+  }
+
+
+class _Grouping:
+  """Mutable node sets during grouping: labels and equation indices."""
+
+  def __init__(self, jaxpr, runs, model_vars):
+    self.jaxpr = jaxpr
+    self.labels = [label for label, _ in runs]
+    self.groups = [list(g) for _, g in runs]
+    self.model_vars = model_vars
+
+  def merge_intervals(self):
+    """Merges every interval of runs that share a parameter or variable."""
+    first, last = {}, {}
+    for n, g in enumerate(self.groups):
+      for v in _reads(self.jaxpr, g, self.model_vars):
+        first.setdefault(v, n)
+        last[v] = n
+    spans = sorted((first[v], last[v]) for v in first if first[v] != last[v])
+    merged = []
+    for a, b in spans:
+      if merged and a <= merged[-1][1]:
+        merged[-1][1] = max(merged[-1][1], b)
+      else:
+        merged.append([a, b])
+    for a, b in reversed(merged):
+      self.groups[a] = [i for g in self.groups[a : b + 1] for i in g]
+      del self.groups[a + 1 : b + 1]
+      del self.labels[a + 1 : b + 1]
+    return bool(merged)
+
+  def has_model_vars(self, n):
+    return bool(_reads(self.jaxpr, self.groups[n], self.model_vars))
+
+  def merge(self, src, dst):
+    self.groups[dst] = sorted(self.groups[dst] + self.groups[src])
+    if not self.has_model_vars(dst) and self.labels[dst] == "":
+      self.labels[dst] = self.labels[src]
+    del self.groups[src]
+    del self.labels[src]
+
+  def absorb_glue(self):
+    """Merges parameter-free runs into their only successor/predecessor."""
+    changed = True
+    while changed and len(self.groups) > 1:
+      changed = False
+      preds = _node_deps(self.jaxpr, self.groups)
+      succs = [set() for _ in self.groups]
+      for n, ps in enumerate(preds):
+        for p in ps:
+          succs[p].add(n)
+      for n in range(len(self.groups)):
+        if self.has_model_vars(n):
+          continue
+        if len(succs[n]) == 1:
+          self.merge(n, next(iter(succs[n])))
+        elif len(preds[n]) == 1:
+          self.merge(n, next(iter(preds[n])))
+        else:
+          continue
+        changed = True
+        break
+
+  def topological(self):
+    """Orders node sets topologically, ties by first equation."""
+    preds = _node_deps(self.jaxpr, self.groups)
+    order, done = [], set()
+    while len(order) < len(self.groups):
+      ready = [
+        n for n in range(len(self.groups)) if n not in done and preds[n] <= done
+      ]
+      n = min(ready, key=lambda k: min(self.groups[k]))
+      order.append(n)
+      done.add(n)
+    self.groups = [sorted(self.groups[n]) for n in order]
+    self.labels = [self.labels[n] for n in order]
+
+
+def _loss_terms(jaxpr, grouping):
+  """Splits off a final node that only sums other nodes' scalar losses."""
+  last = grouping.groups[-1]
+  eqns = [jaxpr.eqns[i] for i in last]
+  if grouping.has_model_vars(len(grouping.groups) - 1) or not all(
+    e.primitive.name in ("add", "add_any")
+    and all(getattr(v.aval, "shape", None) == () for v in e.invars)
+    for e in eqns
+  ):
+    return None
+  internal = {v for e in eqns for v in e.outvars}
+  terms = [
+    v
+    for e in eqns
+    for v in e.invars
+    if not isinstance(v, jax.extend.core.Literal) and v not in internal
+  ]
+  if len(terms) < 2 or len(set(terms)) != len(terms):
+    return None
+  position = {
+    v: (i, k) for i, e in enumerate(jaxpr.eqns) for k, v in enumerate(e.outvars)
+  }
+  if any(v not in position for v in terms):
+    return None  # a term is a graph input, not a node's output
+  return [position[v] for v in terms]
+
+
+def _name_nodes(labels, groups, first_module_eqn, last_module_eqn):
+  names, seen = [], {}
+  for label, group in zip(labels, groups, strict=True):
+    if not label:
+      if min(group) < first_module_eqn:
+        label = "input"
+      elif min(group) > last_module_eqn:
+        label = "loss"
+      else:
+        label = "glue"
+    count = seen.get(label, 0)
+    seen[label] = count + 1
+    names.append(label if count == 0 else f"{label}#{count}")
+  return names
+
+
+def capture(
+  loss_fn: Callable,
+  model,
+  batch,
+  *,
+  variables=None,
+  granularity: str | int = "layer",
+  costs: bool = True,
+  name: str = "",
+  config: str = "",
+) -> OpGraph:
+  """Traces `loss_fn(model, batch)` into an operator graph with costs.
+
+  Works on abstract values: `model` may come from `nnx.eval_shape` and
+  `batch` may hold `jax.ShapeDtypeStruct`s, so nothing of paper size is
+  allocated. Every batch leaf's leading axis is the batch axis.
+
+  Example:
+    >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(8, 1, rngs=nnx.Rngs(1)))
+    >>> loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+    >>> graph = graphpipe.capture(loss_fn, model, {"x": x, "y": y})
+    >>> print(graph)
+
+  Args:
+    loss_fn: `loss_fn(model, batch) -> scalar`. For linen, `model` is the
+      module bound to its variables, so the same loss code serves both.
+    model: an `nnx.Module`, or a `flax.linen.Module` with `variables`.
+    batch: a pytree of arrays (or ShapeDtypeStructs), batch axis first.
+    variables: the linen module's variables (`module.init(...)`).
+    granularity: where nodes are cut in the module tree: 'layer' (every
+      innermost module call), or an int depth (1 = the root's children,
+      2 = their children, ...; deeper calls belong to their ancestor at
+      that depth). 'block' means depth 2.
+    costs: measure FLOPs and bytes per node with XLA (a few seconds at
+      paper scale); False leaves them zero.
+    name, config: descriptive labels stored in the graph.
+
+  Returns:
+    An `OpGraph` whose `evaluate(variables, batch)` recomputes the loss.
+  """
+  start = time.perf_counter()
+  if granularity == "layer":
+    depth = 10**9
+  elif granularity == "block":
+    depth = 2
+  elif isinstance(granularity, int) and granularity >= 1:
+    depth = granularity
+  else:
+    raise CaptureError(
+      f"granularity must be 'layer', 'block' or a depth >= 1, got "
+      f"{granularity!r}"
+    )
+  bound = _Bound(model, variables)
+  leaves = jax.tree.leaves(batch)
+  if not leaves:
+    raise CaptureError("the batch has no arrays")
+  if any(np.ndim(x) == 0 for x in leaves):
+    raise CaptureError(
+      "every batch leaf needs a leading batch axis; got a scalar leaf"
+    )
+  sizes = {np.shape(x)[0] for x in leaves}
+  if len(sizes) != 1:
+    raise CaptureError(
+      f"batch leaves disagree on the batch size (leading axis): "
+      f"{sorted(sizes)}; every leaf's first axis must be the batch axis"
+    )
+  batch_size = sizes.pop()
+  abstract_batch = _abstract(batch)
+  params_abs = _abstract(bound.params)
+  state_abs = _abstract(bound.state)
+  batch_names = _leaf_names(batch)
+
+  described_batch = jax.tree.map(
+    lambda x: f"{x.dtype}{list(x.shape)}", abstract_batch
+  )
+
+  def trace(size: int):
+    def fn(params, state, b):
+      return bound.call(loss_fn, params, state, b)
+
+    try:
+      closed = jax.make_jaxpr(fn)(
+        params_abs, state_abs, _with_batch_size(abstract_batch, size)
+      )
+    except CaptureError:
+      raise
+    except Exception as err:  # the user's code failed: say where to look
+      raise CaptureError(
+        f"tracing loss_fn(model, batch) failed with {type(err).__name__}: "
+        f"{err}\nCheck that the batch's shapes and dtypes fit the model "
+        f"(batch: {described_batch})"
+      ) from err
+    outs = closed.out_avals
+    if (
+      len(outs) != 1
+      or outs[0].shape != ()
+      or not jnp.issubdtype(outs[0].dtype, jnp.floating)
+    ):
+      raise CaptureError(
+        f"loss_fn must return one floating-point scalar; it returned "
+        f"{[f'{a.dtype}{list(a.shape)}' for a in outs]}. Reduce the loss "
+        "over the batch (e.g. jnp.mean) and return only the loss"
+      )
+    return closed
+
+  closed = trace(batch_size)
+  jaxpr = closed.jaxpr
+  input_keys = (
+    [f"param:{n}" for n in bound.param_names]
+    + [f"state:{n}" for n in bound.state_names]
+    + [f"batch:{n}" for n in batch_names]
+  )
+  num_model_vars = len(bound.param_names) + len(bound.state_names)
+  model_vars = set(jaxpr.invars[:num_model_vars])
+  model_vars |= set(jaxpr.constvars)
+
+  labels = _labels(jaxpr, bound.framework, depth)
+  module_eqns = [i for i, label in enumerate(labels) if label]
+  if not module_eqns:
+    raise GraphCutError(
+      f"no equation of the loss ran inside a submodule of {bound.root}: "
+      "the graph would be a single node. Build the model from submodules "
+      "(each layer an nnx.Module / linen Module called in __call__)"
+    )
+  grouping = _Grouping(jaxpr, _runs(labels), model_vars)
+  grouping.merge_intervals()
+  grouping.topological()
+  terms = _loss_terms(jaxpr, grouping)
+  if terms is not None:
+    grouping.groups.pop()
+    grouping.labels.pop()
+  grouping.absorb_glue()
+  grouping.topological()
+  if len(grouping.groups) < 2:
+    raise GraphCutError(
+      f"the loss of {bound.root} forms a single node at granularity "
+      f"{granularity!r}: "
+      + (
+        "a parameter is shared between the first and the last module "
+        "call, which merges everything between them"
+        if len(_runs(labels)) > 1
+        else "only one module call was traced"
+      )
+      + ". Use a finer granularity or untie the shared parameters"
+    )
+  groups = grouping.groups
+  names = _name_nodes(
+    grouping.labels, groups, min(module_eqns), max(module_eqns)
+  )
+  flatten_inputs = _make_flatten(bound)
+  program = Program(
+    trace=trace,
+    input_keys=input_keys,
+    groups=groups,
+    loss_terms=terms,
+    batch_size=batch_size,
+    closed=closed,
+    flatten=flatten_inputs,
+  )
+  loss_nodes = sorted(
+    {int(k.split(":")[0][len("node") :]) for k in program.loss_keys}
+  )
+  graph = _build_graph(
+    program,
+    names,
+    bound,
+    batch_names,
+    abstract_batch,
+    loss_nodes,
+    costs=costs,
+  )
+  graph.meta.update(
+    framework=bound.framework,
+    granularity=granularity,
+    root=bound.root,
+    num_params=int(sum(np.prod(x.shape) for x in jax.tree.leaves(params_abs))),
+    capture_time_s=time.perf_counter() - start,
+  )
+  graph.model = name or bound.root
+  graph.config = config
+  return graph
+
+
+def _make_flatten(bound: _Bound):
+  reference = jax.tree.structure((bound.params, bound.state))
+
+  def flatten(variables, batch):
+    params, state = bound.split(variables)
+    structure = jax.tree.structure((params, state))
+    if structure != reference:
+      raise CaptureError(
+        "these variables do not have the structure of the captured "
+        "model's: pass the variables (or model) the graph was captured from"
+      )
+    return jax.tree.leaves((params, state)) + jax.tree.leaves(batch)
+
+  return flatten
+
+
+def _build_graph(
+  program, names, bound, batch_names, abstract_batch, loss_nodes, *, costs
+):
+  """Assembles nodes, edges and inputs; measures costs if asked."""
+  small = program
+  large = program.at_batch_size(2 * program.batch_size) if costs else None
+  figures = (
+    node_costs.per_sample(small, large)
+    if costs
+    else [({}, {}) for _ in small.nodes]
+  )
+  key_bytes = {}
+  for key, aval in zip(
+    program.input_keys, program.closed.jaxpr.invars, strict=True
+  ):
+    key_bytes[key] = node_costs.aval_bytes(aval.aval)
+  nodes = []
+  for i, (node_program, (slope, fixed)) in enumerate(
+    zip(small.nodes, figures, strict=True)
+  ):
+    params = tuple(k[6:] for k in node_program.inputs if k.startswith("param:"))
+    state = tuple(k[6:] for k in node_program.inputs if k.startswith("state:"))
+    batch_inputs = tuple(
+      k[6:] for k in node_program.inputs if k.startswith("batch:")
+    )
+    nodes.append(
+      Node(
+        id=i,
+        name=names[i],
+        params=params,
+        param_bytes=sum(key_bytes[f"param:{p}"] for p in params),
+        state=state,
+        state_bytes=sum(key_bytes[f"state:{p}"] for p in state),
+        batch_inputs=batch_inputs,
+        fixed=fixed,
+        **slope,
+      )
+    )
+  edges = []
+  small_edges = node_costs.edge_bytes(small)
+  large_edges = node_costs.edge_bytes(large) if costs else small_edges
+  for (src, dst), (size, count) in sorted(small_edges.items()):
+    if costs:
+      per = (large_edges[(src, dst)][0] - size) / small.batch_size
+      fixed_bytes = size - per * small.batch_size
+    else:
+      per, fixed_bytes = size / small.batch_size, 0.0
+    edges.append(Edge(src, dst, per, fixed_bytes, count))
+  inputs = [
+    InputSpec(n, tuple(x.shape[1:]), str(x.dtype))
+    for n, x in zip(batch_names, jax.tree.leaves(abstract_batch), strict=True)
+  ]
+  return OpGraph(
+    nodes,
+    edges,
+    inputs=inputs,
+    loss_nodes=loss_nodes,
+    batch_size=program.batch_size,
+    program=program,
+    meta={"costs_measured": bool(costs)},
+  )

@@ -1,0 +1,375 @@
+"""`OpGraph`: the operator DAG that the planner, simulator and runtime share.
+
+A node is a group of traced equations (one Flax module call, at the chosen
+granularity) with its costs; an edge carries the values one node produces and
+another consumes. Figures that scale with the batch are per sample; the
+batch-independent remainder of the same figure is kept in a `*_fixed` field
+(per step), so a cost at micro-batch b is `per_sample * b + fixed`.
+
+A graph made by `graphpipe.capture` also holds the executable pieces (one
+closed jaxpr per node, see `graphpipe.program`); a graph loaded from JSON has
+the structure and costs only, which is all the planner needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from graphpipe.errors import GraphFormatError, GraphpipeError
+
+FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+  """One operator node: a module call (or glue code) of the traced loss.
+
+  Attributes:
+    id: position in topological order (edges go from lower to higher ids).
+    name: the module path, e.g. 'branches.0.layers.3' ('#k' marks a second
+      call of the same module, 'glue'/'loss' code outside modules).
+    params: paths of the trainable parameters this node owns.
+    param_bytes: bytes of those parameters.
+    state: paths of non-trainable variables it reads (e.g. batch statistics).
+    state_bytes: bytes of those variables.
+    fwd_flops / bwd_flops: FLOPs of the forward / backward pass, per sample.
+    fwd_bytes / bwd_bytes: bytes accessed (XLA's count before fusion), per
+      sample.
+    activation_bytes: bytes of the outputs other nodes (or the loss) read,
+      per sample.
+    saved_bytes: bytes the backward pass keeps from the forward (residuals,
+      including the node's own inputs when the backward needs them), per
+      sample.
+    fixed: the batch-independent part of the figures above, by field name
+      (per step; usually ~0).
+    batch_inputs: names of the batch leaves the node reads.
+  """
+
+  id: int
+  name: str
+  params: tuple[str, ...] = ()
+  param_bytes: int = 0
+  state: tuple[str, ...] = ()
+  state_bytes: int = 0
+  fwd_flops: float = 0.0
+  bwd_flops: float = 0.0
+  fwd_bytes: float = 0.0
+  bwd_bytes: float = 0.0
+  activation_bytes: float = 0.0
+  saved_bytes: float = 0.0
+  fixed: dict[str, float] = dataclasses.field(default_factory=dict)
+  batch_inputs: tuple[str, ...] = ()
+
+  def cost(self, field: str, batch: int) -> float:
+    """`field` (e.g. 'fwd_flops') at a micro-batch of `batch` samples."""
+    return getattr(self, field) * batch + self.fixed.get(field, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+  """Values produced by node `src` and read by node `dst`.
+
+  Attributes:
+    src, dst: node ids (src < dst).
+    bytes: bytes per sample of the values carried.
+    fixed_bytes: batch-independent bytes carried (per step).
+    num_values: how many arrays travel on the edge.
+  """
+
+  src: int
+  dst: int
+  bytes: float
+  fixed_bytes: float = 0.0
+  num_values: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class InputSpec:
+  """A leaf of the batch: its name, per-sample shape and dtype."""
+
+  name: str
+  shape: tuple[int, ...]
+  dtype: str
+
+
+class OpGraph:
+  """A DAG of operator nodes with costs; the unit of planning.
+
+  Example:
+    >>> graph = graphpipe.capture(loss_fn, model, batch)
+    >>> print(graph)                     # a table of nodes
+    >>> graph.successors(0), graph.totals()["fwd_flops"]
+    >>> graph.save("graph.json"); graphpipe.OpGraph.load("graph.json")
+
+  Args:
+    nodes: nodes with ids 0..n-1 in a topological order.
+    edges: edges between them, src < dst.
+    inputs: the batch leaves.
+    loss_nodes: nodes whose scalar outputs sum to the loss (one for most
+      models; several for multi-task models whose losses are summed).
+    batch_size: the batch size the graph was traced at.
+    model, config: descriptive names (free text).
+    program: the executable pieces, when the graph was captured.
+    meta: free-form facts about the capture (granularity, framework, ...).
+  """
+
+  def __init__(
+    self,
+    nodes: Sequence[Node],
+    edges: Sequence[Edge],
+    *,
+    inputs: Sequence[InputSpec] = (),
+    loss_nodes: Sequence[int] = (),
+    batch_size: int = 1,
+    model: str = "",
+    config: str = "",
+    program: Any = None,
+    meta: dict | None = None,
+  ):
+    self.nodes = tuple(nodes)
+    self.edges = tuple(edges)
+    self.inputs = tuple(inputs)
+    self.loss_nodes = tuple(loss_nodes) or (
+      (len(self.nodes) - 1,) if self.nodes else ()
+    )
+    self.batch_size = int(batch_size)
+    self.model = model
+    self.config = config
+    self.program = program
+    self.meta = dict(meta or {})
+    self._validate()
+    self._succ = {n.id: [] for n in self.nodes}
+    self._pred = {n.id: [] for n in self.nodes}
+    for e in self.edges:
+      self._succ[e.src].append(e.dst)
+      self._pred[e.dst].append(e.src)
+
+  def _validate(self):
+    ids = [n.id for n in self.nodes]
+    if ids != list(range(len(ids))):
+      raise GraphpipeError(
+        f"node ids must be 0..{len(ids) - 1} in order, got {ids[:10]}..."
+      )
+    seen = set()
+    for e in self.edges:
+      if not (0 <= e.src < e.dst < len(ids)):
+        raise GraphpipeError(
+          f"edge {e.src}->{e.dst} does not go forward between existing "
+          "nodes: ids must be a topological order"
+        )
+      if (e.src, e.dst) in seen:
+        raise GraphpipeError(f"duplicate edge {e.src}->{e.dst}")
+      seen.add((e.src, e.dst))
+    for i in self.loss_nodes:
+      if not 0 <= i < len(ids):
+        raise GraphpipeError(f"loss node {i} is not a node of the graph")
+
+  # Structure.
+
+  def __len__(self) -> int:
+    return len(self.nodes)
+
+  def successors(self, node: int) -> list[int]:
+    """Ids of the nodes that read `node`'s outputs."""
+    return list(self._succ[node])
+
+  def predecessors(self, node: int) -> list[int]:
+    """Ids of the nodes whose outputs `node` reads."""
+    return list(self._pred[node])
+
+  def edge(self, src: int, dst: int) -> Edge:
+    """The edge src -> dst (KeyError if absent)."""
+    for e in self.edges:
+      if e.src == src and e.dst == dst:
+        return e
+    raise KeyError((src, dst))
+
+  def sources(self) -> list[int]:
+    """Nodes with no predecessor."""
+    return [n.id for n in self.nodes if not self._pred[n.id]]
+
+  def sinks(self) -> list[int]:
+    """Nodes with no successor."""
+    return [n.id for n in self.nodes if not self._succ[n.id]]
+
+  def node_by_name(self, name: str) -> Node:
+    """The node called `name`."""
+    for n in self.nodes:
+      if n.name == name:
+        return n
+    raise KeyError(name)
+
+  def totals(self) -> dict[str, float]:
+    """Sums over nodes: per-sample FLOPs and bytes, parameter bytes, ..."""
+    fields = (
+      "fwd_flops",
+      "bwd_flops",
+      "fwd_bytes",
+      "bwd_bytes",
+      "activation_bytes",
+      "saved_bytes",
+      "param_bytes",
+      "state_bytes",
+    )
+    out = {f: sum(getattr(n, f) for n in self.nodes) for f in fields}
+    out["num_params"] = self.meta.get("num_params", 0)
+    out["num_nodes"] = len(self.nodes)
+    out["num_edges"] = len(self.edges)
+    return out
+
+  # Printing and files.
+
+  def table(self) -> str:
+    """A readable table of the nodes (per-sample figures)."""
+    head = (
+      f"{'id':>4} {'name':<34} {'fwd GFLOP':>10} {'bwd GFLOP':>10} "
+      f"{'params MB':>10} {'act KB':>9} {'saved KB':>9}  preds"
+    )
+    lines = [head, "-" * len(head)]
+    for n in self.nodes:
+      name = n.name if len(n.name) <= 34 else "..." + n.name[-31:]
+      preds = ",".join(str(p) for p in self._pred[n.id]) or "-"
+      lines.append(
+        f"{n.id:>4} {name:<34} {n.fwd_flops / 1e9:>10.4f} "
+        f"{n.bwd_flops / 1e9:>10.4f} {n.param_bytes / 1e6:>10.3f} "
+        f"{n.activation_bytes / 1e3:>9.2f} {n.saved_bytes / 1e3:>9.2f}  "
+        f"{preds}"
+      )
+    t = self.totals()
+    lines.append("-" * len(head))
+    lines.append(
+      f"{'':>4} {'total':<34} {t['fwd_flops'] / 1e9:>10.4f} "
+      f"{t['bwd_flops'] / 1e9:>10.4f} {t['param_bytes'] / 1e6:>10.3f} "
+      f"{t['activation_bytes'] / 1e3:>9.2f} {t['saved_bytes'] / 1e3:>9.2f}"
+    )
+    return "\n".join(lines)
+
+  def __str__(self) -> str:
+    title = f"OpGraph {self.model or ''} {self.config or ''}".rstrip()
+    return (
+      f"{title}: {len(self.nodes)} nodes, {len(self.edges)} edges, "
+      f"loss at {list(self.loss_nodes)} (figures per sample)\n{self.table()}"
+    )
+
+  def __repr__(self) -> str:
+    return (
+      f"OpGraph(model={self.model!r}, nodes={len(self.nodes)}, "
+      f"edges={len(self.edges)})"
+    )
+
+  def to_dict(self) -> dict:
+    """A JSON-ready dict (the executable program is not included)."""
+    return {
+      "format_version": FORMAT_VERSION,
+      "model": self.model,
+      "config": self.config,
+      "batch_size": self.batch_size,
+      "loss_nodes": list(self.loss_nodes),
+      "inputs": [dataclasses.asdict(i) for i in self.inputs],
+      "nodes": [dataclasses.asdict(n) for n in self.nodes],
+      "edges": [dataclasses.asdict(e) for e in self.edges],
+      "totals": self.totals(),
+      "meta": self.meta,
+    }
+
+  @classmethod
+  def from_dict(cls, data: dict) -> OpGraph:
+    """Inverse of `to_dict`."""
+    try:
+      if data.get("format_version") != FORMAT_VERSION:
+        raise GraphFormatError(
+          f"graph format version {data.get('format_version')!r}, expected "
+          f"{FORMAT_VERSION}: re-capture the model"
+        )
+      nodes = [
+        Node(
+          **{
+            **n,
+            "params": tuple(n["params"]),
+            "state": tuple(n["state"]),
+            "batch_inputs": tuple(n["batch_inputs"]),
+          }
+        )
+        for n in data["nodes"]
+      ]
+      edges = [Edge(**e) for e in data["edges"]]
+      inputs = [
+        InputSpec(i["name"], tuple(i["shape"]), i["dtype"])
+        for i in data["inputs"]
+      ]
+      return cls(
+        nodes,
+        edges,
+        inputs=inputs,
+        loss_nodes=data["loss_nodes"],
+        batch_size=data["batch_size"],
+        model=data.get("model", ""),
+        config=data.get("config", ""),
+        meta=data.get("meta", {}),
+      )
+    except (KeyError, TypeError) as err:
+      raise GraphFormatError(f"not a graphpipe graph file: {err!r}") from err
+
+  def save(self, path: str) -> None:
+    """Writes the graph (structure and costs) as JSON."""
+    with open(path, "w") as f:
+      json.dump(self.to_dict(), f, indent=1)
+
+  @classmethod
+  def load(cls, path: str) -> OpGraph:
+    """Reads a graph written by `save` (without the executable program)."""
+    try:
+      with open(path) as f:
+        data = json.load(f)
+    except json.JSONDecodeError as err:
+      raise GraphFormatError(f"{path} is not JSON: {err}") from err
+    return cls.from_dict(data)
+
+  def to_dot(self) -> str:
+    """Graphviz DOT text: one box per node, edges labelled in KB/sample."""
+    lines = [
+      "digraph opgraph {",
+      "  rankdir=TB;",
+      '  node [shape=box, fontname="monospace", fontsize=10];',
+    ]
+    for n in self.nodes:
+      label = (
+        f"{n.id}: {n.name}\\nfwd {n.fwd_flops / 1e6:.3g} MFLOP/sample"
+        f"\\nparams {n.param_bytes / 1e6:.3g} MB"
+      )
+      style = (
+        ', style=filled, fillcolor="#fde2c0"'
+        if (n.id in self.loss_nodes)
+        else ""
+      )
+      lines.append(f'  n{n.id} [label="{label}"{style}];')
+    for e in self.edges:
+      lines.append(f'  n{e.src} -> n{e.dst} [label="{e.bytes / 1e3:.3g} KB"];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+  # Execution (captured graphs only).
+
+  def _require_program(self):
+    if self.program is None:
+      raise GraphpipeError(
+        "this graph has no executable program (it was loaded from JSON): "
+        "capture the model with graphpipe.capture to run it"
+      )
+    return self.program
+
+  def evaluate(self, variables, batch):
+    """The loss, computed node by node in topological order.
+
+    Args:
+      variables: the model's variables as at capture: an `nnx.State` (or the
+        NNX model itself) for NNX, the variables dict for linen.
+      batch: a batch with the same structure as at capture (any batch size).
+
+    Returns:
+      The scalar loss, equal to `loss_fn(model, batch)`.
+    """
+    return self._require_program().evaluate(variables, batch)

@@ -1,0 +1,137 @@
+"""Per-node costs from XLA: FLOPs, bytes accessed, saved activations.
+
+Each node's jaxpr is lowered on its own (never compiled: lowering is cheap
+and needs no memory) and XLA's HLO cost analysis gives FLOPs and bytes
+accessed. The backward pass is measured as the node's VJP minus its forward.
+Bytes the backward keeps are the residuals of `jax.vjp` (its pytree leaves),
+which include the node's own inputs when the backward reads them.
+
+Figures are measured at two batch sizes and split into a per-sample slope
+and a batch-independent remainder, so no axis has to be guessed as the
+batch axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from graphpipe.program import NodeProgram, Program
+
+FIELDS = (
+  "fwd_flops",
+  "bwd_flops",
+  "fwd_bytes",
+  "bwd_bytes",
+  "activation_bytes",
+  "saved_bytes",
+)
+
+
+def aval_bytes(aval) -> int:
+  return int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+
+
+def args_of(avals):
+  return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+
+
+def _cost(fn, args) -> tuple[float, float]:
+  analysis = jax.jit(fn).lower(*args).cost_analysis() or {}
+  if isinstance(analysis, list):  # older jax returned one dict per device
+    analysis = analysis[0] if analysis else {}
+  return float(analysis.get("flops", 0.0)), float(
+    analysis.get("bytes accessed", 0.0)
+  )
+
+
+def _differentiable(avals):
+  return [jnp.issubdtype(a.dtype, jnp.inexact) for a in avals]
+
+
+def node_figures(node: NodeProgram) -> dict[str, float]:
+  """Forward/backward FLOPs and bytes, output and saved bytes of a node."""
+  in_avals = node.input_avals()
+  out_avals = node.output_avals()
+  args = args_of(in_avals)
+  fwd_flops, fwd_bytes = _cost(node, args)
+  wrt = _differentiable(in_avals)
+  float_out = _differentiable(out_avals)
+  figures = {
+    "fwd_flops": fwd_flops,
+    "fwd_bytes": fwd_bytes,
+    "bwd_flops": 0.0,
+    "bwd_bytes": 0.0,
+    "saved_bytes": 0.0,
+    "activation_bytes": float(sum(aval_bytes(a) for a in out_avals)),
+  }
+  if not any(wrt) or not any(float_out):
+    return figures
+  fixed = [a for a, w in zip(args, wrt, strict=True) if not w]
+  diff = [a for a, w in zip(args, wrt, strict=True) if w]
+  cts = [a for a, f in zip(args_of(out_avals), float_out, strict=True) if f]
+
+  def differentiable_part(fixed_in):
+    def fn(*diff_in):
+      it_diff, it_fixed = iter(diff_in), iter(fixed_in)
+      outs = node(*[next(it_diff) if w else next(it_fixed) for w in wrt])
+      return tuple(o for o, f in zip(outs, float_out, strict=True) if f)
+
+    return fn
+
+  def backward(fixed_in, diff_in, cotangents):
+    _, vjp = jax.vjp(differentiable_part(fixed_in), *diff_in)
+    return vjp(tuple(cotangents))
+
+  bwd_flops, bwd_bytes = _cost(backward, [fixed, diff, cts])
+  figures["bwd_flops"] = max(bwd_flops - fwd_flops, 0.0)
+  figures["bwd_bytes"] = max(bwd_bytes - fwd_bytes, 0.0)
+  saved = jax.eval_shape(
+    lambda fixed_in, diff_in: jax.vjp(differentiable_part(fixed_in), *diff_in)[
+      1
+    ],
+    fixed,
+    diff,
+  )
+  figures["saved_bytes"] = float(
+    sum(aval_bytes(x) for x in jax.tree.leaves(saved))
+  )
+  return figures
+
+
+def per_sample(
+  small: Program, large: Program
+) -> list[tuple[dict[str, float], dict[str, float]]]:
+  """(per-sample, fixed) figures of every node from two batch sizes."""
+  db = large.batch_size - small.batch_size
+  out = []
+  for a_node, b_node in zip(small.nodes, large.nodes, strict=True):
+    a, b = node_figures(a_node), node_figures(b_node)
+    slope = {f: max((b[f] - a[f]) / db, 0.0) for f in FIELDS}
+    # Batch-independent residuals are weights (or derived from them): the
+    # stage holds them once, not once per stashed micro-batch.
+    fixed = {
+      f: a[f] - slope[f] * small.batch_size
+      for f in FIELDS
+      if f != "saved_bytes"
+    }
+    fixed = {f: v for f, v in fixed.items() if abs(v) > 1e-9 * (1 + a[f])}
+    out.append((slope, fixed))
+  return out
+
+
+def edge_bytes(program: Program) -> dict[tuple[int, int], tuple[float, int]]:
+  """(src, dst) -> (bytes at the program's batch size, number of values)."""
+  avals = {}
+  for i, node in enumerate(program.nodes):
+    for key, aval in zip(node.outputs, node.output_avals(), strict=True):
+      avals[key] = (i, aval)
+  edges = {}
+  for dst, node in enumerate(program.nodes):
+    for key in node.inputs:
+      if key in avals:
+        src, aval = avals[key]
+        size, count = edges.get((src, dst), (0.0, 0))
+        edges[(src, dst)] = (size + aval_bytes(aval), count + 1)
+  return edges

@@ -1,0 +1,223 @@
+"""`Plan`: a stage graph (DAG of pipeline stages) for one OpGraph.
+
+A stage is a convex set of operator nodes, a set of devices (more than one
+means data parallelism inside the stage: each micro-batch is split evenly
+over the stage's devices and gradients are all-reduced once per iteration),
+and an in-flight count: how many micro-batches' activations it keeps stashed
+under 1F1B, n(sink) = 1, n(s) = 1 + max over successors t of n(t).
+
+Planners (`graphpipe.planner`, `graphpipe.baselines`) make plans; the
+scheduler, simulator and runtime read them. The memory rule below is shared
+by the planners and the simulator so that both count the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Protocol
+
+from graphpipe.errors import GraphpipeError
+from graphpipe.graph import Node, OpGraph
+
+# Adam keeps two fp32 moments per parameter; with the weights and their
+# gradients a parameter costs four times its own bytes.
+DEFAULT_OPTIMIZER_SLOTS = 2
+
+
+class CostModel(Protocol):
+  """What planners and the simulator ask of a cost model (all in seconds)."""
+
+  memory_bytes: float  # capacity of one device
+
+  def node_time(self, node: Node, batch: int, kind: str) -> float:
+    """Compute time of `node` on `batch` samples; kind is 'fwd' or 'bwd'."""
+    ...
+
+  def transfer_time(self, num_bytes: float, src: int, dst: int) -> float:
+    """Point-to-point time to move `num_bytes` from device src to dst."""
+    ...
+
+  def allreduce_time(self, num_bytes: float, devices: Sequence[int]) -> float:
+    """Time of an all-reduce of `num_bytes` over `devices`."""
+    ...
+
+  def optimizer_time(self, param_bytes: float) -> float:
+    """Time of the optimizer update of `param_bytes` of parameters."""
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One pipeline stage.
+
+  Attributes:
+    id: position in the plan's topological order of stages.
+    nodes: OpGraph node ids (a convex set).
+    devices: device indices; more than one = data parallel inside the stage.
+    micro_batch_size: samples per micro-batch for this stage (split evenly
+      over `devices`).
+    in_flight: micro-batches whose activations the stage stashes (1F1B).
+  """
+
+  id: int
+  nodes: tuple[int, ...]
+  devices: tuple[int, ...]
+  micro_batch_size: int
+  in_flight: int = 1
+
+  def __str__(self) -> str:
+    return (
+      f"stage {self.id}: nodes {list(self.nodes)} on devices "
+      f"{list(self.devices)}, b={self.micro_batch_size}, "
+      f"in flight {self.in_flight}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A stage DAG for a graph, a batch size and a device count.
+
+  Attributes:
+    planner: 'graphpipe', 'sequential' or 'gpipe'.
+    stages: stages in a topological order.
+    stage_edges: (src stage id, dst stage id) pairs, src before dst.
+    batch_size: samples per iteration (mini-batch).
+    num_devices: devices the plan may use (stages use a subset).
+    schedule: '1f1b' or 'gpipe'.
+    device: name of the device preset the plan was made for.
+    bottleneck_time_per_sample: the planner's estimate of the slowest
+      stage's time per sample (seconds).
+    search_time_s: time the planner took.
+    graph_fingerprint: identifies the OpGraph the plan is for.
+  """
+
+  planner: str
+  stages: tuple[Stage, ...]
+  stage_edges: tuple[tuple[int, int], ...]
+  batch_size: int
+  num_devices: int
+  schedule: str = "1f1b"
+  device: str = ""
+  bottleneck_time_per_sample: float = 0.0
+  search_time_s: float = 0.0
+  graph_fingerprint: str = ""
+
+  @property
+  def micro_batch_size(self) -> int:
+    """The largest stage micro-batch size (all equal unless per-stage)."""
+    return max(s.micro_batch_size for s in self.stages)
+
+  @property
+  def num_microbatches(self) -> int:
+    return self.batch_size // self.micro_batch_size
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stages)
+
+  @property
+  def depth(self) -> int:
+    """Stages on the longest path of the stage DAG."""
+    longest = {}
+    for s in self.stages:
+      preds = [a for a, b in self.stage_edges if b == s.id]
+      longest[s.id] = 1 + max((longest[p] for p in preds), default=0)
+    return max(longest.values(), default=0)
+
+  def successors(self, stage: int) -> list[int]:
+    return [b for a, b in self.stage_edges if a == stage]
+
+  def predecessors(self, stage: int) -> list[int]:
+    return [a for a, b in self.stage_edges if b == stage]
+
+  def stage_of_node(self) -> dict[int, int]:
+    """Map from OpGraph node id to the id of the stage holding it."""
+    return {n: s.id for s in self.stages for n in s.nodes}
+
+  def __str__(self) -> str:
+    lines = [
+      f"Plan[{self.planner}] {self.num_stages} stages, depth {self.depth}, "
+      f"b={self.micro_batch_size} x {self.num_microbatches} micro-batches, "
+      f"{self.num_devices} devices, schedule {self.schedule}"
+    ]
+    lines += [f"  {s}" for s in self.stages]
+    lines.append(f"  edges: {list(self.stage_edges)}")
+    return "\n".join(lines)
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["stages"] = [dataclasses.asdict(s) for s in self.stages]
+    d["stage_edges"] = [list(e) for e in self.stage_edges]
+    d.update(
+      depth=self.depth,
+      num_stages=self.num_stages,
+      micro_batch_size=self.micro_batch_size,
+      num_microbatches=self.num_microbatches,
+    )
+    return d
+
+  @classmethod
+  def from_dict(cls, d: dict) -> Plan:
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in d.items() if k in fields}
+    kwargs["stages"] = tuple(
+      Stage(
+        id=s["id"],
+        nodes=tuple(s["nodes"]),
+        devices=tuple(s["devices"]),
+        micro_batch_size=s["micro_batch_size"],
+        in_flight=s["in_flight"],
+      )
+      for s in d["stages"]
+    )
+    kwargs["stage_edges"] = tuple(tuple(e) for e in d["stage_edges"])
+    return cls(**kwargs)
+
+  def save(self, path: str) -> None:
+    with open(path, "w") as f:
+      json.dump(self.to_dict(), f, indent=1)
+
+  @classmethod
+  def load(cls, path: str) -> Plan:
+    with open(path) as f:
+      return cls.from_dict(json.load(f))
+
+
+def in_flight_counts(
+  num_stages: int, stage_edges: Sequence[tuple[int, int]]
+) -> list[int]:
+  """1F1B in-flight counts: n(sink) = 1, n(s) = 1 + max over successors.
+
+  Stage ids must be a topological order (every edge goes forward).
+  """
+  counts = [1] * num_stages
+  for s in reversed(range(num_stages)):
+    succ = [b for a, b in stage_edges if a == s]
+    if any(b <= s for b in succ):
+      raise GraphpipeError("stage ids must be a topological order")
+    counts[s] = 1 + max((counts[b] for b in succ), default=0)
+  return counts
+
+
+def stage_memory_bytes(
+  graph: OpGraph,
+  nodes: Sequence[int],
+  micro_batch_per_device: float,
+  in_flight: int,
+  optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS,
+) -> float:
+  """Peak bytes one device of a stage holds.
+
+  Weights, gradients and optimizer slots of the stage's parameters (each a
+  copy of the parameter bytes), its non-trainable state, and the saved
+  activations of `in_flight` micro-batches of `micro_batch_per_device`
+  samples. Every device of a data-parallel stage holds a full replica.
+  """
+  params = sum(graph.nodes[i].param_bytes for i in nodes)
+  state = sum(graph.nodes[i].state_bytes for i in nodes)
+  saved = sum(
+    graph.nodes[i].cost("saved_bytes", micro_batch_per_device) for i in nodes
+  )
+  return params * (2 + optimizer_slots) + state + saved * in_flight
