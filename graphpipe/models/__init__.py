@@ -1,1 +1,193 @@
-"""The paper model zoo (filled in by graphpipe/models/*.py)."""
+"""The paper model zoo and its registry.
+
+Every model module (`mmt`, `dlrm`, `candle_uno`, `two_branch`,
+`transformer`, `two_tower`) provides a frozen `Config` with `paper()` and
+`tiny()`, an NNX `Model(config, *, rngs)`, `loss_fn(model, batch)`,
+`make_batch(config, batch_size, seed)` and `abstract_batch(config,
+batch_size)`. The registry names them:
+
+  spec = models.get("mmt")
+  cfg = models.config("mmt", "tiny")
+  model = models.build("mmt", cfg)
+  loss = spec.loss_fn(model, spec.make_batch(cfg, 4))
+
+Module layout, which `graphpipe.capture` turns into operator nodes: the root
+model calls each branch (depth 1) once, and each branch calls its layers
+(depth 2) one after another, so at `capture_depth` every layer of every
+branch is one node. Heads sit at depth 1 (one layer) or hold their layers at
+depth 2; concatenation, pooling and the loss are glue in the root.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+from graphpipe.errors import GraphpipeError
+from graphpipe.models import (
+  candle_uno,
+  dlrm,
+  mmt,
+  transformer,
+  two_branch,
+  two_tower,
+)
+
+NAMES = (
+  "mmt",
+  "dlrm",
+  "candle_uno",
+  "two_branch",
+  "transformer",
+  "two_tower",
+)
+
+SIZES = ("paper", "tiny")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """Everything the experiments need to know about one zoo model.
+
+  Example:
+    >>> spec = get("dlrm")
+    >>> spec.capture_depth, spec.default_batch_size
+    (2, 128)
+
+  Args:
+    name: the registry name.
+    config_cls: the model's frozen `Config` dataclass.
+    model_cls: the NNX model class, `model_cls(config, rngs=...)`.
+    loss_fn: `loss_fn(model, batch) -> scalar`.
+    make_batch: `make_batch(config, batch_size, seed=0) -> dict`.
+    abstract_batch: `abstract_batch(config, batch_size) -> dict` of
+      `jax.ShapeDtypeStruct`.
+    capture_depth: module depth at which each layer is one operator node.
+    default_batch_size: global mini-batch for the paper config (our choice;
+      the paper gives no table).
+  """
+
+  name: str
+  config_cls: type
+  model_cls: type
+  loss_fn: Callable
+  make_batch: Callable
+  abstract_batch: Callable
+  capture_depth: int
+  default_batch_size: int
+
+
+def _spec(name: str, module, default_batch_size: int) -> ModelSpec:
+  return ModelSpec(
+    name=name,
+    config_cls=module.Config,
+    model_cls=module.Model,
+    loss_fn=module.loss_fn,
+    make_batch=module.make_batch,
+    abstract_batch=module.abstract_batch,
+    capture_depth=2,
+    default_batch_size=default_batch_size,
+  )
+
+
+# Transformers take 64 sequences of 256 tokens (16k tokens a step); the
+# MLP models have far less work per sample and take 128.
+_SPECS = {
+  spec.name: spec
+  for spec in (
+    _spec("mmt", mmt, 64),
+    _spec("dlrm", dlrm, 128),
+    _spec("candle_uno", candle_uno, 128),
+    _spec("two_branch", two_branch, 64),
+    _spec("transformer", transformer, 64),
+    _spec("two_tower", two_tower, 128),
+  )
+}
+
+
+def get(name: str) -> ModelSpec:
+  """The registry entry of model `name`.
+
+  Example:
+    >>> get("candle_uno").config_cls.paper().num_branches
+    7
+
+  Args:
+    name: one of `NAMES`.
+
+  Raises:
+    GraphpipeError: `name` is not a zoo model.
+  """
+  try:
+    return _SPECS[name]
+  except KeyError:
+    raise GraphpipeError(
+      f"unknown model {name!r}; known models: {', '.join(NAMES)}"
+    ) from None
+
+
+def config(name: str, size: str = "paper"):
+  """The `paper` or `tiny` config of model `name`.
+
+  Example:
+    >>> config("mmt", "tiny").num_branches
+    4
+
+  Args:
+    name: one of `NAMES`.
+    size: "paper" (the evaluation sizes) or "tiny" (CPU-test sizes).
+  """
+  spec = get(name)
+  if size not in SIZES:
+    raise GraphpipeError(
+      f"unknown config size {size!r} for {name!r}; use one of {SIZES}"
+    )
+  return getattr(spec.config_cls, size)()
+
+
+def build(name: str, config, *, seed: int = 0, abstract: bool = False):
+  """Model `name` built from `config`, with real or abstract weights.
+
+  `abstract=True` traces the constructor with `nnx.eval_shape`, so every
+  parameter is a `jax.ShapeDtypeStruct` and nothing is allocated: the paper
+  DLRM holds 7 tables of 1M rows.
+
+  Example:
+    >>> model = build("dlrm", config("dlrm"), abstract=True)
+    >>> model.sparse[0].table.shape
+    (1000000, 64)
+
+  Args:
+    name: one of `NAMES`.
+    config: an instance of the model's `Config`.
+    seed: seed of the weight initialisation.
+    abstract: build shapes only.
+  """
+  spec = get(name)
+  if not isinstance(config, spec.config_cls):
+    raise GraphpipeError(
+      f"build({name!r}, ...) needs a {spec.config_cls.__module__}.Config, "
+      f"got {type(config).__module__}.{type(config).__name__}; "
+      f"see graphpipe.models.config({name!r}, 'tiny')"
+    )
+
+  def make():
+    return spec.model_cls(config, rngs=nnx.Rngs(seed))
+
+  return nnx.eval_shape(make) if abstract else make()
+
+
+def num_params(model: nnx.Module) -> int:
+  """Number of trainable parameters of a real or abstract model.
+
+  Example:
+    >>> num_params(build("candle_uno", config("candle_uno"), abstract=True))
+    532807681
+
+  Args:
+    model: an NNX module.
+  """
+  leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+  return sum(math.prod(leaf.shape) for leaf in leaves)
