@@ -141,10 +141,44 @@ class _Bound:
     return variables.pop("params", {}), variables
 
 
+def _inner_chains(eqn, framework):
+  for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+    for inner in sub.eqns:
+      yield _eqn_chain(inner, framework)
+
+
+def _eqn_chain(eqn, framework):
+  """Module chain of an equation, looking inside nested jaxprs.
+
+  A module called under `jax.jit` (or another transform) from its parent's
+  code has its scope on the equations inside the nested jaxpr, not on the
+  enclosing equation: the common chain of the inner equations then names it.
+  """
+  chain = module_chain(eqn.source_info.name_stack, framework)
+  if framework != "nnx":  # linen scopes inside transforms are relative
+    return chain
+  common = None
+  for inner in _inner_chains(eqn, framework):
+    if common is None:
+      common = inner
+    else:
+      k = 0
+      while k < min(len(common), len(inner)) and common[k] == inner[k]:
+        k += 1
+      common = common[:k]
+  if not common:
+    return chain
+  if common[: len(chain)] == chain:  # inner stacks include the outer scopes
+    return common if len(common) > len(chain) else chain
+  if not chain or common[0].startswith(chain[-1] + "."):
+    return chain + common  # inner stacks start afresh inside the transform
+  return chain
+
+
 def _labels(jaxpr, framework, depth):
   labels = []
   for eqn in jaxpr.eqns:
-    chain = module_chain(eqn.source_info.name_stack, framework)
+    chain = _eqn_chain(eqn, framework)
     labels.append(chain[min(depth, len(chain)) - 1] if chain else "")
   return labels
 

@@ -322,3 +322,55 @@ def test_mutating_loss_is_refused():
     graphpipe.capture(
       lambda m, b: jnp.mean(m(b["x"])), Counter(nnx.Rngs(0)), make_batch()
     )
+
+
+def test_nested_jaxprs_stay_in_their_node():
+  class Inner(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(6, 6, rngs=rngs)
+
+    def __call__(self, x):
+      step = lambda h, _: (jnp.tanh(h @ self.lin.kernel[...]), None)
+      h, _ = jax.lax.scan(step, x, None, length=3)  # a scan
+      return jax.checkpoint(jax.nn.relu)(h)  # remat of a custom_jvp
+
+  class Outer(nnx.Module):
+    def __init__(self, rngs):
+      self.first = Inner(rngs)
+      self.second = nnx.Linear(6, 6, rngs=rngs)
+
+    def __call__(self, x):
+      return self.second(jax.jit(self.first)(x))  # a jit
+
+  model = Outer(nnx.Rngs(0))
+  batch = make_batch()
+  loss = lambda m, b: jnp.mean(m(b["x"]) ** 2)
+  graph = graphpipe.capture(loss, model, batch)
+  assert [n.name for n in graph.nodes] == ["first", "second"]
+  assert graph.nodes[0].params == ("first.lin.kernel",)
+  np.testing.assert_allclose(
+    graph.evaluate(model, batch), loss(model, batch), rtol=1e-6
+  )
+
+
+def test_module_called_under_jit_inside_a_module():
+  class Wrap(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(6, 6, rngs=rngs)
+      self.out = nnx.Linear(6, 6, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(jax.jit(self.lin)(x))
+
+  class Outer(nnx.Module):
+    def __init__(self, rngs):
+      self.wrap = Wrap(rngs)
+      self.head = nnx.Linear(6, 2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(self.wrap(x))
+
+  model = Outer(nnx.Rngs(0))
+  loss = lambda m, b: jnp.mean(m(b["x"]) ** 2)
+  graph = graphpipe.capture(loss, model, make_batch())
+  assert [n.name for n in graph.nodes] == ["wrap.lin", "wrap.out", "head"]
