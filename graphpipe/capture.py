@@ -496,6 +496,7 @@ def capture(
     batch_size=batch_size,
     closed=closed,
     flatten=flatten_inputs,
+    unflatten_params=_make_unflatten(bound),
   )
   loss_nodes = sorted(
     {int(k.split(":")[0][len("node") :]) for k in program.loss_keys}
@@ -519,6 +520,15 @@ def capture(
   graph.model = name or bound.root
   graph.config = config
   return graph
+
+
+def _make_unflatten(bound: _Bound):
+  treedef = jax.tree.structure(bound.params)
+
+  def unflatten(leaves):
+    return jax.tree.unflatten(treedef, leaves)
+
+  return unflatten
 
 
 def _make_flatten(bound: _Bound):

@@ -155,6 +155,8 @@ class Program:
     batch_size: the batch size of `closed`.
     closed: the loss jaxpr at `batch_size`.
     flatten: (variables, batch) -> flat leaves in the order of input_keys.
+    unflatten_params: parameter leaves in 'param:' key order -> the
+      parameters as the user holds them (an nnx.State, a linen dict).
   """
 
   def __init__(
@@ -167,6 +169,7 @@ class Program:
     batch_size: int,
     closed: jex.core.ClosedJaxpr,
     flatten: Callable,
+    unflatten_params: Callable | None = None,
   ):
     self._trace = trace
     self.input_keys = tuple(input_keys)
@@ -175,6 +178,7 @@ class Program:
     self.batch_size = batch_size
     self.closed = closed
     self._flatten = flatten
+    self._unflatten_params = unflatten_params
     self._signature = primitive_signature(closed.jaxpr)
     self.nodes, self.consts, self.loss_keys = cut(
       closed, self.input_keys, self.groups, loss_terms
@@ -200,6 +204,7 @@ class Program:
       batch_size=batch_size,
       closed=closed,
       flatten=self._flatten,
+      unflatten_params=self._unflatten_params,
     )
     other._by_size = self._by_size
     self._by_size[batch_size] = other
@@ -211,6 +216,17 @@ class Program:
     env = dict(zip(self.input_keys, leaves, strict=True))
     env.update(self.consts)
     return env
+
+  def variable_values(self, variables) -> dict[str, object]:
+    """'param:' and 'state:' keys -> arrays of `variables`."""
+    leaves = self._flatten(variables, ())
+    keys = [k for k in self.input_keys if k.startswith(("param:", "state:"))]
+    return dict(zip(keys, leaves, strict=True))
+
+  def unflatten_params(self, values: dict[str, object]):
+    """Parameters by 'param:' key -> the user's structure (nnx.State...)."""
+    keys = [k for k in self.input_keys if k.startswith("param:")]
+    return self._unflatten_params([values[k] for k in keys])
 
   def evaluate(self, variables, batch):
     """The loss, computed node by node (see OpGraph.evaluate)."""

@@ -1,0 +1,390 @@
+"""Static layout of a pipelined step: who computes, stores and sends what.
+
+Everything here is plain Python over the plan, the schedule and the captured
+program; the jitted step only reads the tables it produces.
+
+Values crossing stages travel as *edge matrices*: every value of a stage
+edge, batch axis moved first and flattened to rows of samples, concatenated
+along columns, in float32 (other float types are widened, 32-bit integers
+bit-cast). A data-parallel stage with k devices gives each device rows
+[r*b/k, (r+1)*b/k) of a micro-batch of b samples, so a transfer between two
+stages is a contiguous run of rows of one edge matrix: contiguous in memory
+at both ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from graphpipe.errors import GraphpipeError
+from graphpipe.graph import OpGraph
+from graphpipe.plan import Plan
+from graphpipe.program import Program
+from graphpipe.schedule import Schedule
+
+
+class RuntimeError_(GraphpipeError):
+  """A plan, schedule or graph that the runtime cannot execute."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueSpec:
+  """A value crossing stages: its key, shape at one chunk, batch axis."""
+
+  key: str
+  shape: tuple[int, ...]  # at `rows` samples
+  dtype: str
+  batch_axis: int  # sample-major: its size is rows x (elements per sample)
+  rows: int
+
+  @property
+  def width(self) -> int:
+    """Elements per sample."""
+    return math.prod(self.shape) // self.rows
+
+  def shape_at(self, rows: int) -> tuple[int, ...]:
+    """The value's shape for a chunk of `rows` samples."""
+    shape = list(self.shape)
+    shape[self.batch_axis] = shape[self.batch_axis] // self.rows * rows
+    return tuple(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class EdgeLayout:
+  """The values of one stage edge, as columns of its edge matrix."""
+
+  src: int
+  dst: int
+  values: tuple[ValueSpec, ...]  # shapes at the *source* chunk size
+
+  @property
+  def width(self) -> int:
+    return sum(v.width for v in self.values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+  """Rows of an edge matrix moving between two devices (forward sense)."""
+
+  edge: int  # index into Layout.edges
+  src_device: int
+  dst_device: int
+  src_row: int  # first row in the sender's edge matrix
+  dst_row: int  # first row in the receiver's edge matrix
+  rows: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+  """One stage's inputs and outputs, in the order the runtime uses."""
+
+  id: int
+  nodes: tuple[int, ...]
+  devices: tuple[int, ...]
+  chunk: int  # samples per device per micro-batch
+  params: tuple[str, ...]  # 'param:' keys, in flat-buffer order
+  state: tuple[str, ...]  # 'state:' keys, in flat-buffer order
+  batch: tuple[str, ...]  # 'batch:' keys read
+  in_edges: tuple[int, ...]  # indices into Layout.edges
+  out_edges: tuple[int, ...]
+  loss_keys: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Stages, edges, transfers and buffer sizes of a pipelined step."""
+
+  stages: tuple[StageLayout, ...]
+  edges: tuple[EdgeLayout, ...]
+  transfers: tuple[Transfer, ...]
+  param_shapes: dict  # key -> (shape, dtype)
+  micro_batch_size: int
+  num_microbatches: int
+  num_devices: int
+
+  def stage_of_device(self) -> dict[int, int]:
+    return {d: s.id for s in self.stages for d in s.devices}
+
+  def in_offsets(self, stage: int) -> dict[int, int]:
+    """Edge index -> element offset of its block in the stage's inputs."""
+    return _offsets(self, self.stages[stage].in_edges, stage)
+
+  def out_offsets(self, stage: int) -> dict[int, int]:
+    """Edge index -> element offset of its block in the stage's outputs."""
+    return _offsets(self, self.stages[stage].out_edges, stage)
+
+  def in_size(self, stage: int) -> int:
+    s = self.stages[stage]
+    return sum(self.edges[e].width for e in s.in_edges) * s.chunk
+
+  def out_size(self, stage: int) -> int:
+    s = self.stages[stage]
+    return sum(self.edges[e].width for e in s.out_edges) * s.chunk
+
+  def param_size(self, stage: int, kind: str = "params") -> int:
+    return sum(
+      math.prod(self.param_shapes[k][0])
+      for k in getattr(self.stages[stage], kind)
+    )
+
+
+def _offsets(layout, edges, stage):
+  offsets, at = {}, 0
+  for e in edges:
+    offsets[e] = at
+    at += layout.edges[e].width * layout.stages[stage].chunk
+  return offsets
+
+
+def batch_axis(small_shape, large_shape, key: str) -> int:
+  """The axis that grows with the batch, from shapes at two batch sizes."""
+  axes = [
+    i
+    for i, (a, b) in enumerate(zip(small_shape, large_shape, strict=True))
+    if a != b
+  ]
+  if len(axes) != 1:
+    raise RuntimeError_(
+      f"value {key} crosses pipeline stages but "
+      + (
+        "has no batch axis (it does not grow with the batch): keep "
+        "batch-independent computations inside one stage"
+        if not axes
+        else f"has several axes that grow with the batch {axes}"
+      )
+    )
+  return axes[0]
+
+
+SUPPORTED_DTYPES = (
+  "float32",
+  "float16",
+  "bfloat16",
+  "int32",
+  "uint32",
+  "bool",
+)
+
+
+def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
+  """The static layout of `plan` over the captured `graph`."""
+  program: Program = graph.program
+  b = plan.micro_batch_size
+  if any(s.micro_batch_size != b for s in plan.stages):
+    raise RuntimeError_(
+      "the runtime needs one micro-batch size for all stages; this plan "
+      f"has {sorted({s.micro_batch_size for s in plan.stages})}"
+    )
+  if plan.batch_size % b:
+    raise RuntimeError_(
+      f"batch size {plan.batch_size} is not a multiple of the micro-batch "
+      f"size {b}"
+    )
+  for s in plan.stages:
+    if b % len(s.devices):
+      raise RuntimeError_(
+        f"stage {s.id} splits micro-batches of {b} over "
+        f"{len(s.devices)} devices: the micro-batch must divide evenly"
+      )
+  if schedule.num_microbatches != plan.batch_size // b:
+    raise RuntimeError_("the schedule and the plan disagree on micro-batches")
+  owner = {n: s.id for s in plan.stages for n in s.nodes}
+  if sorted(owner) != list(range(len(graph.nodes))):
+    raise RuntimeError_(
+      "the plan's stages do not cover the graph's nodes exactly once: was "
+      "the plan made for another graph?"
+    )
+  base = program
+  large = program.at_batch_size(2 * program.batch_size)
+  shapes_small, shapes_large, dtypes = {}, {}, {}
+  for node_s, node_l in zip(base.nodes, large.nodes, strict=True):
+    for key, a, c in zip(
+      node_s.outputs, node_s.output_avals(), node_l.output_avals(), strict=True
+    ):
+      shapes_small[key], shapes_large[key] = a.shape, c.shape
+      dtypes[key] = str(a.dtype)
+  key_avals = {}
+  for node in base.nodes:
+    for key, aval in zip(node.inputs, node.input_avals(), strict=True):
+      key_avals[key] = aval
+
+  def chunk_shape(key, chunk):
+    small, large_ = shapes_small[key], shapes_large[key]
+    axis = batch_axis(small, large_, key)
+    per = small[axis] // base.batch_size
+    if small[axis] != per * base.batch_size:
+      raise RuntimeError_(f"value {key}'s batch axis is not a sample axis")
+    shape = list(small)
+    shape[axis] = per * chunk
+    return tuple(shape), axis
+
+  produced_by = {}
+  for n, node in enumerate(base.nodes):
+    for key in node.outputs:
+      produced_by[key] = n
+  edges, edge_index = [], {}
+  for src, dst in sorted(plan.stage_edges):
+    keys = sorted(
+      {
+        key
+        for n in plan.stages[dst].nodes
+        for key in base.nodes[n].inputs
+        if key in produced_by and owner[produced_by[key]] == src
+      },
+      key=_key_order,
+    )
+    if not keys:
+      raise RuntimeError_(f"stage edge {src}->{dst} carries no value")
+    chunk = b // len(plan.stages[src].devices)
+    values = []
+    for key in keys:
+      if dtypes[key] not in SUPPORTED_DTYPES:
+        raise RuntimeError_(
+          f"value {key} of dtype {dtypes[key]} crosses stages; supported: "
+          f"{', '.join(SUPPORTED_DTYPES)}"
+        )
+      shape, axis = chunk_shape(key, chunk)
+      values.append(ValueSpec(key, shape, dtypes[key], axis, chunk))
+    edge_index[(src, dst)] = len(edges)
+    edges.append(EdgeLayout(src, dst, tuple(values)))
+  # Every cross-stage read must follow a stage edge.
+  for s in plan.stages:
+    for n in s.nodes:
+      for key in base.nodes[n].inputs:
+        if key in produced_by and owner[produced_by[key]] != s.id:
+          if (owner[produced_by[key]], s.id) not in edge_index:
+            raise RuntimeError_(
+              f"stage {s.id} reads {key} from stage "
+              f"{owner[produced_by[key]]} but the plan has no such edge"
+            )
+  stages = []
+  loss_keys = set(base.loss_keys)
+  for s in plan.stages:
+    reads = [k for n in s.nodes for k in base.nodes[n].inputs]
+    produced = [k for n in s.nodes for k in base.nodes[n].outputs]
+    stages.append(
+      StageLayout(
+        id=s.id,
+        nodes=tuple(sorted(s.nodes)),
+        devices=tuple(s.devices),
+        chunk=b // len(s.devices),
+        params=tuple(
+          sorted({k for k in reads if k.startswith("param:")}, key=_key_order)
+        ),
+        state=tuple(
+          sorted({k for k in reads if k.startswith("state:")}, key=_key_order)
+        ),
+        batch=tuple(
+          sorted({k for k in reads if k.startswith("batch:")}, key=_key_order)
+        ),
+        in_edges=tuple(
+          edge_index[(p, s.id)] for p in sorted(plan.predecessors(s.id))
+        ),
+        out_edges=tuple(
+          edge_index[(s.id, t)] for t in sorted(plan.successors(s.id))
+        ),
+        loss_keys=tuple(k for k in produced if k in loss_keys),
+      )
+    )
+  transfers = []
+  for e, edge in enumerate(edges):
+    src, dst = stages[edge.src], stages[edge.dst]
+    for i, sd in enumerate(src.devices):
+      for j, dd in enumerate(dst.devices):
+        lo = max(i * src.chunk, j * dst.chunk)
+        hi = min((i + 1) * src.chunk, (j + 1) * dst.chunk)
+        if lo < hi:
+          transfers.append(
+            Transfer(e, sd, dd, lo - i * src.chunk, lo - j * dst.chunk, hi - lo)
+          )
+  param_shapes = {
+    k: (tuple(a.shape), str(a.dtype))
+    for k, a in key_avals.items()
+    if k.startswith(("param:", "state:"))
+  }
+  return Layout(
+    stages=tuple(stages),
+    edges=tuple(edges),
+    transfers=tuple(transfers),
+    param_shapes=param_shapes,
+    micro_batch_size=b,
+    num_microbatches=plan.batch_size // b,
+    num_devices=plan.num_devices,
+  )
+
+
+def _key_order(key: str):
+  # 'node12:3' sorts numerically so layouts read in graph order.
+  head, _, tail = key.partition(":")
+  if head.startswith("node"):
+    return (0, int(head[4:]), int(tail), "")
+  return (1, 0, 0, key)
+
+
+def color_pairs(
+  pairs: Sequence[tuple[int, int]],
+) -> list[list[tuple[int, int]]]:
+  """Groups (src, dst) device pairs into permutations (ppermute calls).
+
+  A bipartite edge colouring: each group has unique sources and unique
+  destinations. Greedy by first fit, enough for pipeline fan-in/fan-out.
+  """
+  groups: list[list[tuple[int, int]]] = []
+  for pair in sorted(set(pairs)):
+    for group in groups:
+      if all(pair[0] != a and pair[1] != b for a, b in group):
+        group.append(pair)
+        break
+    else:
+      groups.append([pair])
+  return groups
+
+
+def allocate_slots(
+  intervals: dict[tuple[int, int], tuple[int, int]],
+) -> tuple[dict[tuple[int, int], int], int]:
+  """Slots for buffered values with lifetimes [start, end] (ticks).
+
+  A slot read at tick t may take a new value written at the end of tick t.
+
+  Args:
+    intervals: (device, micro-batch) -> (first tick written, last tick read).
+
+  Returns:
+    ((device, micro-batch) -> slot, number of slots needed on any device).
+  """
+  by_device: dict[int, list] = {}
+  for (device, mb), (start, end) in intervals.items():
+    by_device.setdefault(device, []).append((start, end, mb))
+  slots, most = {}, 0
+  for device, items in by_device.items():
+    free_at: list[int] = []  # per slot, the tick after which it is free
+    for start, end, mb in sorted(items):
+      for slot, free in enumerate(free_at):
+        if free <= start:
+          free_at[slot] = end
+          break
+      else:
+        slot = len(free_at)
+        free_at.append(end)
+      slots[(device, mb)] = slot
+    most = max(most, len(free_at))
+  return slots, most
+
+
+def schedule_table(schedule: Schedule) -> np.ndarray:
+  """[ticks, devices] of (stage, kind 0=F 1=B, micro-batch), -1 if idle."""
+  table = -np.ones((schedule.num_ticks, schedule.num_devices, 3), np.int32)
+  for d, row in enumerate(schedule.grid):
+    for t, action in enumerate(row):
+      if action is not None:
+        table[t, d] = (
+          action.stage,
+          0 if action.kind == "F" else 1,
+          action.microbatch,
+        )
+  return table

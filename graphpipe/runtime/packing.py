@@ -1,0 +1,81 @@
+"""Values <-> float32 rows and flat buffers, the runtime's wire format."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from graphpipe.runtime.layout import ValueSpec
+
+_BITCAST = ("int32", "uint32")
+
+
+def to_f32(x):
+  """A float32 view of `x` that `from_f32` inverts exactly."""
+  if str(x.dtype) in _BITCAST:
+    return jax.lax.bitcast_convert_type(x, jnp.float32)
+  return x.astype(jnp.float32)
+
+
+def from_f32(x, dtype: str):
+  """Inverse of `to_f32` for a value of `dtype`."""
+  if dtype in _BITCAST:
+    return jax.lax.bitcast_convert_type(jax.lax.stop_gradient(x), dtype)
+  if dtype == "bool":
+    return jax.lax.stop_gradient(x) != 0
+  return x.astype(dtype)
+
+
+def to_rows(x, spec: ValueSpec, rows: int):
+  """[rows, width] float32: batch axis first, the rest flattened."""
+  return to_f32(jnp.moveaxis(x, spec.batch_axis, 0)).reshape(rows, -1)
+
+
+def from_rows(m, spec: ValueSpec, rows: int):
+  """Inverse of `to_rows` for a chunk of `rows` samples."""
+  shape = spec.shape_at(rows)
+  moved = [shape[spec.batch_axis]] + [
+    d for i, d in enumerate(shape) if i != spec.batch_axis
+  ]
+  value = from_f32(m.reshape(moved), spec.dtype)
+  return jnp.moveaxis(value, 0, spec.batch_axis)
+
+
+def pack_leaves(leaves) -> jax.Array:
+  """Concatenates arrays of any supported dtype into one float32 vector."""
+  if not leaves:
+    return jnp.zeros((0,), jnp.float32)
+  return jnp.concatenate([to_f32(x).reshape(-1) for x in leaves])
+
+
+def unpack_leaves(flat, avals):
+  """Inverse of `pack_leaves`, given the leaves' shapes and dtypes."""
+  out, at = [], 0
+  for aval in avals:
+    size = math.prod(aval.shape)
+    out.append(
+      from_f32(flat[at : at + size], str(aval.dtype)).reshape(aval.shape)
+    )
+    at += size
+  return out
+
+
+def pad_to(x, size: int):
+  """`x` (1-D) zero-padded to `size` elements."""
+  if x.shape[0] > size:
+    raise ValueError(f"{x.shape[0]} elements do not fit in {size}")
+  return jnp.pad(x, (0, size - x.shape[0]))
+
+
+def host_flat(values, keys, shapes, size: int) -> np.ndarray:
+  """Host float32 vector of `values[k]` for `keys`, padded to `size`."""
+  out = np.zeros(size, np.float32)
+  at = 0
+  for k in keys:
+    n = math.prod(shapes[k][0])
+    out[at : at + n] = np.asarray(values[k], np.float32).reshape(-1)
+    at += n
+  return out

@@ -1,0 +1,621 @@
+"""The pipelined training step: one SPMD program over a 1-D device mesh.
+
+    for tick in schedule:                        # lax.scan over ticks
+      action = table[tick, my_device]            # e.g. 2F0, 2B0 or idle
+      lax.switch(branch of (my_device, F/B)):    # each device its own code
+        F: inputs  <- activation stash (rows received earlier), batch rows
+           outputs, loss <- the stage's node jaxprs; keep what B needs
+           send rows of each output edge matrix to the successors' devices
+        B: cotangents <- gradient stash (sent by successors' B)
+           grads of params (accumulated) and of inputs <- VJP of the stage
+           send rows of the input gradients back to the predecessors
+      for channel in channels:                   # fixed permutations
+        received = lax.ppermute(send[channel])   # fan-out / fan-in
+        write it into the activation or gradient stash (table says where)
+    gradients: sum over each data-parallel stage's devices (fixed order)
+    loss: psum; optimizer: optax on each device's flat parameter buffer
+
+Every per-device difference lives in static tables indexed by tick and
+device, so the scan body is one program. What a device computes at tick t
+is readable by its receivers from tick t + 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from graphpipe.program import Program
+from graphpipe.runtime import packing
+from graphpipe.runtime.layout import (
+  Layout,
+  RuntimeError_,
+  allocate_slots,
+  color_pairs,
+  schedule_table,
+)
+from graphpipe.schedule import Schedule
+
+AXIS = "pipe"
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffers:
+  """Sizes (float32 elements) of the per-device buffers; all devices alike."""
+
+  params: int
+  state: int
+  act_slot: int
+  act_slots: int
+  grad_slot: int
+  grad_slots: int
+  res_slot: int
+  res_slots: int
+  channel: int
+  channels: int
+
+  def stash_bytes(self) -> int:
+    return 4 * (
+      self.act_slot * self.act_slots
+      + self.grad_slot * self.grad_slots
+      + self.res_slot * self.res_slots
+    )
+
+
+class StepBuilder:
+  """Builds the tables and the shard_map body of a pipelined step.
+
+  Args:
+    layout: the static layout (stages, edges, transfers).
+    schedule: the schedule to run (its grid is the tick table).
+    program: the captured program (node jaxprs), re-traced per chunk size.
+    recompute: recompute each stage's forward in its backward (stash only
+      the stage inputs) instead of stashing the forward's residuals.
+    loss_reduction: 'mean' (the loss averages over samples) or 'sum'.
+  """
+
+  def __init__(
+    self,
+    layout: Layout,
+    schedule: Schedule,
+    program: Program,
+    *,
+    recompute: bool = False,
+    loss_reduction: str = "mean",
+    batch_size: int,
+  ):
+    if loss_reduction not in ("mean", "sum"):
+      raise RuntimeError_(
+        f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}"
+      )
+    self.layout = layout
+    self.schedule = schedule
+    self.recompute = recompute
+    self.loss_reduction = loss_reduction
+    self.batch_size = batch_size
+    self.programs = {
+      s.chunk: program.at_batch_size(s.chunk) for s in layout.stages
+    }
+    self.consts = program.consts
+    self.device_stage = layout.stage_of_device()
+    self._residual_avals = {}
+    self._make_channels()
+    self._make_tables()
+
+  # Static structure.
+
+  def _make_channels(self):
+    pairs = []
+    for t in self.layout.transfers:
+      pairs.append((t.src_device, t.dst_device))  # activations
+      pairs.append((t.dst_device, t.src_device))  # their gradients
+    self.channels = color_pairs(pairs)
+    self.channel_of = {
+      pair: c for c, group in enumerate(self.channels) for pair in group
+    }
+    self.channel_size = max(
+      [1]
+      + [
+        t.rows * self.layout.edges[t.edge].width for t in self.layout.transfers
+      ]
+    )
+
+  def stage_inputs(self, stage):
+    """(param keys, state keys, batch keys) of a stage."""
+    s = self.layout.stages[stage]
+    return s.params, s.state, s.batch
+
+  def stage_function(self, stage: int):
+    """f(params, acts_block, batch_rows) -> (outputs block, loss)."""
+    s = self.layout.stages[stage]
+    program = self.programs[s.chunk]
+    edges = self.layout.edges
+    in_offsets = self.layout.in_offsets(stage)
+
+    def f(params: dict, acts_block, batch: dict):
+      env = dict(self.consts)
+      env.update(params)
+      env.update(batch)
+      for e in s.in_edges:
+        edge = edges[e]
+        start = in_offsets[e]
+        width = edge.width
+        matrix = lax.dynamic_slice_in_dim(acts_block, start, s.chunk * width)
+        matrix = matrix.reshape(s.chunk, width)
+        col = 0
+        for v in edge.values:
+          env[v.key] = packing.from_rows(
+            matrix[:, col : col + v.width], v, s.chunk
+          )
+          col += v.width
+      for n in s.nodes:
+        node = program.nodes[n]
+        outs = node(*[env[k] for k in node.inputs])
+        env.update(zip(node.outputs, outs, strict=True))
+      blocks = []
+      for e in s.out_edges:
+        rows = [
+          packing.to_rows(env[v.key], v, s.chunk) for v in edges[e].values
+        ]
+        blocks.append(jnp.concatenate(rows, axis=1).reshape(-1))
+      out = jnp.concatenate(blocks) if blocks else jnp.zeros((0,), jnp.float32)
+      loss = sum(
+        (env[k].astype(jnp.float32) for k in s.loss_keys),
+        jnp.zeros((), jnp.float32),
+      )
+      return out, loss
+
+    return f
+
+  def _make_tables(self):
+    lay, sch = self.layout, self.schedule
+    table = schedule_table(sch)
+    ticks = sch.ticks()
+    num_ticks, num_devices = table.shape[:2]
+    self.num_ticks = num_ticks
+    # (stage, kind, mb) -> tick, for all stages
+    when = {(a.stage, a.kind, a.microbatch): t for a, t in ticks.items()}
+    m = lay.num_microbatches
+    act_life, grad_life, res_life = {}, {}, {}
+    for s in lay.stages:
+      for d in s.devices:
+        for mb in range(m):
+          f_tick, b_tick = when[(s.id, "F", mb)], when[(s.id, "B", mb)]
+          arrivals = [
+            when[(lay.edges[t.edge].src, "F", mb)]
+            for t in lay.transfers
+            if t.dst_device == d
+          ]
+          if arrivals:
+            if max(arrivals) >= f_tick:
+              raise RuntimeError_(
+                f"schedule runs {s.id}F{mb} before its inputs arrive"
+              )
+            end = b_tick if self.recompute else f_tick
+            act_life[(d, mb)] = (min(arrivals), end)
+          grads = [
+            when[(lay.edges[t.edge].dst, "B", mb)]
+            for t in lay.transfers
+            if t.src_device == d
+          ]
+          if grads:
+            if max(grads) >= b_tick:
+              raise RuntimeError_(
+                f"schedule runs {s.id}B{mb} before its gradients arrive"
+              )
+            grad_life[(d, mb)] = (min(grads), b_tick)
+          if not self.recompute:
+            res_life[(d, mb)] = (f_tick, b_tick)
+    act_slot, n_act = allocate_slots(act_life)
+    grad_slot, n_grad = allocate_slots(grad_life)
+    res_slot, n_res = allocate_slots(res_life)
+    channels = len(self.channels)
+    shape = (num_ticks, num_devices)
+    self.tables = {
+      "branch": np.zeros(shape, np.int32),
+      "mb": np.zeros(shape, np.int32),
+      "act_slot": np.zeros(shape, np.int32),
+      "grad_slot": np.zeros(shape, np.int32),
+      "res_slot": np.zeros(shape, np.int32),
+      "recv_valid": np.zeros(shape + (channels,), np.int32),
+      "recv_grad": np.zeros(shape + (channels,), np.int32),
+      "recv_slot": np.zeros(shape + (channels,), np.int32),
+      "recv_offset": np.zeros(shape + (channels,), np.int32),
+      "recv_len": np.zeros(shape + (channels,), np.int32),
+    }
+    tb = self.tables
+    self.branch_devices = sorted(self.device_stage)
+    branch_id = {d: 1 + 2 * i for i, d in enumerate(self.branch_devices)}
+    for t in range(num_ticks):
+      for d in range(num_devices):
+        stage, kind, mb = table[t, d]
+        if stage < 0:
+          continue
+        tb["branch"][t, d] = branch_id[d] + kind
+        tb["mb"][t, d] = mb
+        tb["act_slot"][t, d] = act_slot.get((d, mb), 0)
+        tb["grad_slot"][t, d] = grad_slot.get((d, mb), 0)
+        tb["res_slot"][t, d] = res_slot.get((d, mb), 0)
+    for tr in lay.transfers:
+      edge = lay.edges[tr.edge]
+      width = edge.width
+      src_stage, dst_stage = edge.src, edge.dst
+      for mb in range(m):
+        # Activations: sent at the source's F tick, into the receiver's
+        # activation stash.
+        t = when[(src_stage, "F", mb)]
+        c = self.channel_of[(tr.src_device, tr.dst_device)]
+        self._set_recv(
+          t,
+          tr.dst_device,
+          c,
+          grad=False,
+          slot=act_slot[(tr.dst_device, mb)],
+          offset=lay.in_offsets(dst_stage)[tr.edge] + tr.dst_row * width,
+          length=tr.rows * width,
+        )
+        # Gradients: sent at the receiver's B tick, into the sender's
+        # gradient stash.
+        t = when[(dst_stage, "B", mb)]
+        c = self.channel_of[(tr.dst_device, tr.src_device)]
+        self._set_recv(
+          t,
+          tr.src_device,
+          c,
+          grad=True,
+          slot=grad_slot[(tr.src_device, mb)],
+          offset=lay.out_offsets(src_stage)[tr.edge] + tr.src_row * width,
+          length=tr.rows * width,
+        )
+    self.buffers = Buffers(
+      params=max(1, max(lay.param_size(s.id) for s in lay.stages)),
+      state=max(1, max(lay.param_size(s.id, "state") for s in lay.stages)),
+      act_slot=max(1, max(lay.in_size(s.id) for s in lay.stages)),
+      act_slots=max(1, n_act),
+      grad_slot=max(1, max(lay.out_size(s.id) for s in lay.stages)),
+      grad_slots=max(1, n_grad),
+      res_slot=1,
+      res_slots=max(1, n_res),
+      channel=self.channel_size,
+      channels=max(1, channels),
+    )
+    if not self.recompute:
+      sizes = [self._residual_size(s.id) for s in lay.stages]
+      self.buffers = dataclasses.replace(
+        self.buffers, res_slot=max([1] + sizes)
+      )
+
+  def _set_recv(self, t, device, channel, *, grad, slot, offset, length):
+    tb = self.tables
+    if tb["recv_valid"][t, device, channel]:
+      raise RuntimeError_(
+        f"two transfers to device {device} on channel {channel} at tick {t}"
+      )
+    tb["recv_valid"][t, device, channel] = 1
+    tb["recv_grad"][t, device, channel] = int(grad)
+    tb["recv_slot"][t, device, channel] = slot
+    tb["recv_offset"][t, device, channel] = offset
+    tb["recv_len"][t, device, channel] = length
+
+  # Residuals (when not recomputing).
+
+  def _abstract_inputs(self, stage):
+    lay = self.layout
+    s = lay.stages[stage]
+    params = {
+      k: jax.ShapeDtypeStruct(*lay.param_shapes[k]) for k in s.params + s.state
+    }
+    acts = jax.ShapeDtypeStruct((max(1, lay.in_size(stage)),), jnp.float32)
+    program = self.programs[s.chunk]
+    batch_avals = {}
+    for node in program.nodes:
+      for k, a in zip(node.inputs, node.input_avals(), strict=True):
+        if k.startswith("batch:"):
+          batch_avals[k] = jax.ShapeDtypeStruct(a.shape, a.dtype)
+    batch = {k: batch_avals[k] for k in s.batch}
+    return params, acts, batch
+
+  def _vjp_parts(self, stage, params, acts, batch):
+    """(outputs, loss), residual leaves, their treedef, param positions."""
+    s = self.layout.stages[stage]
+    f = self.stage_function(stage)
+    trainable = {k: params[k] for k in s.params}
+    frozen = {k: params[k] for k in s.state}
+
+    def diff(p, a):
+      return f({**p, **frozen}, a, batch)
+
+    outs, vjp = jax.vjp(diff, trainable, acts)
+    leaves, treedef = jax.tree.flatten(vjp)
+    param_ids = {id(v): k for k, v in trainable.items()}
+    keep = [i for i, x in enumerate(leaves) if id(x) not in param_ids]
+    sources = {
+      i: param_ids[id(x)] for i, x in enumerate(leaves) if id(x) in param_ids
+    }
+    return outs, leaves, treedef, keep, sources
+
+  def _residual_size(self, stage):
+    params, acts, batch = self._abstract_inputs(stage)
+    info = {}
+
+    def probe(params, acts, batch):
+      _, leaves, _, keep, _ = self._vjp_parts(stage, params, acts, batch)
+      info["avals"] = [
+        jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in keep
+      ]
+      return 0
+
+    jax.eval_shape(probe, params, acts, batch)
+    self._residual_avals[stage] = info["avals"]
+    return sum(math.prod(a.shape) for a in info["avals"])
+
+  # The per-device branches.
+
+  def _loss_weight(self, stage) -> float:
+    s = self.layout.stages[stage]
+    if self.loss_reduction == "sum":
+      return 1.0
+    return s.chunk / self.batch_size
+
+  def _unflatten(self, flat, keys):
+    out, at = {}, 0
+    for k in keys:
+      shape, dtype = self.layout.param_shapes[k]
+      n = math.prod(shape)
+      out[k] = flat[at : at + n].reshape(shape).astype(dtype)
+      at += n
+    return out
+
+  def _batch_rows(self, stage, device, batch, mb):
+    s = self.layout.stages[stage]
+    replica = s.devices.index(device)
+    start = mb * self.layout.micro_batch_size + replica * s.chunk
+    return {
+      k: lax.dynamic_slice_in_dim(batch[k[len("batch:") :]], start, s.chunk)
+      for k in s.batch
+    }
+
+  def _sends(self, pieces):
+    """[channels, channel size] from {channel: 1-D piece}."""
+    sends = jnp.zeros(
+      (self.buffers.channels, self.buffers.channel), jnp.float32
+    )
+    for c, piece in pieces.items():
+      sends = sends.at[c].set(packing.pad_to(piece, self.buffers.channel))
+    return sends
+
+  def _forward_branch(self, device):
+    stage = self.device_stage[device]
+    lay, buf = self.layout, self.buffers
+    s = lay.stages[stage]
+    in_size, out_offsets = lay.in_size(stage), lay.out_offsets(stage)
+    weight = self._loss_weight(stage)
+    f = self.stage_function(stage)
+
+    def branch(ops):
+      (
+        params,
+        state,
+        batch,
+        act,
+        grad,
+        res,
+        gacc,
+        loss,
+        mb,
+        aslot,
+        gslot,
+        rslot,
+      ) = ops
+      del grad, gslot
+      values = {
+        **self._unflatten(params, s.params),
+        **self._unflatten(state, s.state),
+      }
+      acts = lax.dynamic_slice_in_dim(act, aslot * buf.act_slot, in_size)
+      rows = self._batch_rows(stage, device, batch, mb)
+      if self.recompute:
+        out, stage_loss = f(values, acts, rows)
+      else:
+        (out, stage_loss), leaves, _, keep, _ = self._vjp_parts(
+          stage, values, acts, rows
+        )
+        kept = packing.pad_to(
+          packing.pack_leaves([leaves[i] for i in keep]), buf.res_slot
+        )
+        res = lax.dynamic_update_slice_in_dim(
+          res, kept, rslot * buf.res_slot, 0
+        )
+      pieces = {}
+      for tr in lay.transfers:
+        if tr.src_device == device:
+          width = lay.edges[tr.edge].width
+          start = out_offsets[tr.edge] + tr.src_row * width
+          pieces[self.channel_of[(device, tr.dst_device)]] = out[
+            start : start + tr.rows * width
+          ]
+      return res, gacc, loss + weight * stage_loss, self._sends(pieces)
+
+    return branch
+
+  def _backward_branch(self, device):
+    stage = self.device_stage[device]
+    lay, buf = self.layout, self.buffers
+    s = lay.stages[stage]
+    in_size, out_size = lay.in_size(stage), lay.out_size(stage)
+    in_offsets = lay.in_offsets(stage)
+    weight = self._loss_weight(stage) if s.loss_keys else 0.0
+    f = self.stage_function(stage)
+
+    def branch(ops):
+      (
+        params,
+        state,
+        batch,
+        act,
+        grad,
+        res,
+        gacc,
+        loss,
+        mb,
+        aslot,
+        gslot,
+        rslot,
+      ) = ops
+      trainable = self._unflatten(params, s.params)
+      frozen = self._unflatten(state, s.state)
+      rows = self._batch_rows(stage, device, batch, mb)
+      if self.recompute:
+        acts = lax.dynamic_slice_in_dim(act, aslot * buf.act_slot, in_size)
+        _, vjp = jax.vjp(
+          lambda p, a: f({**p, **frozen}, a, rows), trainable, acts
+        )
+      else:
+        blank = jnp.zeros((in_size,), jnp.float32)
+        _, leaves, treedef, keep, _ = self._vjp_parts(
+          stage, {**trainable, **frozen}, blank, rows
+        )
+        stored = lax.dynamic_slice_in_dim(
+          res, rslot * buf.res_slot, buf.res_slot
+        )
+        for i, value in zip(
+          keep,
+          packing.unpack_leaves(stored, self._residual_avals[stage]),
+          strict=True,
+        ):
+          leaves[i] = value
+        vjp = jax.tree.unflatten(treedef, leaves)
+      cotangent = lax.dynamic_slice_in_dim(
+        grad, gslot * buf.grad_slot, out_size
+      )
+      grad_params, grad_acts = vjp(
+        (cotangent, jnp.asarray(weight, jnp.float32))
+      )
+      flat = packing.pack_leaves([grad_params[k] for k in s.params])
+      gacc = gacc + packing.pad_to(flat, buf.params)
+      pieces = {}
+      for tr in lay.transfers:
+        if tr.dst_device == device:
+          width = lay.edges[tr.edge].width
+          start = in_offsets[tr.edge] + tr.dst_row * width
+          pieces[self.channel_of[(device, tr.src_device)]] = grad_acts[
+            start : start + tr.rows * width
+          ]
+      return res, gacc, loss, self._sends(pieces)
+
+    return branch
+
+  def branches(self):
+    """[idle, F of device d0, B of d0, F of d1, ...] for `lax.switch`."""
+
+    def idle(ops):
+      res, gacc, loss = ops[5], ops[6], ops[7]
+      return res, gacc, loss, self._sends({})
+
+    out = [idle]
+    for d in self.branch_devices:
+      out += [self._forward_branch(d), self._backward_branch(d)]
+    return out
+
+  # The body.
+
+  def gradients_and_loss(self, params, state, batch):
+    """Inside shard_map: this device's reduced gradients and the loss."""
+    buf = self.buffers
+    me = lax.axis_index(AXIS)
+    branches = self.branches()
+    tables = {k: jnp.asarray(v) for k, v in self.tables.items()}
+
+    def write(buffer, data, start, length, enable):
+      window = lax.dynamic_slice_in_dim(buffer, start, buf.channel)
+      keep = (jnp.arange(buf.channel) < length) & enable
+      return lax.dynamic_update_slice_in_dim(
+        buffer, jnp.where(keep, data, window), start, 0
+      )
+
+    def tick(carry, row):
+      act, grad, res, gacc, loss = carry
+      mine = {k: v[me] for k, v in row.items()}
+      ops = (
+        params,
+        state,
+        batch,
+        act,
+        grad,
+        res,
+        gacc,
+        loss,
+        mine["mb"],
+        mine["act_slot"],
+        mine["grad_slot"],
+        mine["res_slot"],
+      )
+      res, gacc, loss, sends = lax.switch(mine["branch"], branches, ops)
+      for c, perm in enumerate(self.channels):
+        received = lax.ppermute(sends[c], AXIS, perm)
+        valid = mine["recv_valid"][c] == 1
+        is_grad = mine["recv_grad"][c] == 1
+        length = mine["recv_len"][c]
+        act = write(
+          act,
+          received,
+          mine["recv_slot"][c] * buf.act_slot + mine["recv_offset"][c],
+          length,
+          valid & ~is_grad,
+        )
+        grad = write(
+          grad,
+          received,
+          mine["recv_slot"][c] * buf.grad_slot + mine["recv_offset"][c],
+          length,
+          valid & is_grad,
+        )
+      return (act, grad, res, gacc, loss), None
+
+    zeros = lambda n: jnp.zeros((n,), jnp.float32)
+    carry = (
+      zeros(buf.act_slot * buf.act_slots + buf.channel),
+      zeros(buf.grad_slot * buf.grad_slots + buf.channel),
+      zeros(buf.res_slot * buf.res_slots),
+      zeros(buf.params),
+      jnp.zeros((), jnp.float32),
+    )
+    (_, _, _, gacc, loss), _ = lax.scan(tick, carry, tables)
+    return self._reduce_replicas(gacc), lax.psum(loss, AXIS)
+
+  def _reduce_replicas(self, gacc):
+    """Sums gradients over each data-parallel stage's devices, in order."""
+    groups = [s.devices for s in self.layout.stages]
+    largest = max(len(g) for g in groups)
+    if largest == 1:
+      return gacc
+    num_devices = self.layout.num_devices
+    position = np.zeros(num_devices, np.int32)
+    size = np.ones(num_devices, np.int32)
+    for g in groups:
+      for i, d in enumerate(g):
+        position[d], size[d] = i, len(g)
+    me = lax.axis_index(AXIS)
+    pos, n = jnp.asarray(position)[me], jnp.asarray(size)[me]
+    # received[k] on the device at position i is the gradient of the
+    # device at position (i + k) mod n of its group.
+    received = [gacc]
+    for k in range(1, largest):
+      perm = [
+        (g[(i + k) % len(g)], g[i])
+        for g in groups
+        if len(g) > k
+        for i in range(len(g))
+      ]
+      received.append(lax.ppermute(gacc, AXIS, perm))
+    received = jnp.stack(received)
+    total = jnp.zeros_like(gacc)
+    for j in range(largest):
+      k = jnp.mod(j - pos, n)
+      total = total + jnp.where(j < n, received[k], 0.0)
+    return total

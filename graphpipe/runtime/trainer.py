@@ -1,0 +1,353 @@
+"""`Trainer`: trains a planned model with the pipelined SPMD step."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from graphpipe.graph import OpGraph
+from graphpipe.plan import Plan
+from graphpipe.runtime import packing
+from graphpipe.runtime.layout import RuntimeError_, build_layout
+from graphpipe.runtime.step import AXIS, StepBuilder
+from graphpipe.schedule import check_schedule, schedule_for
+
+
+class TrainState(NamedTuple):
+  """Per-device training state: row d of each array lives on device d.
+
+  Attributes:
+    params: [devices, P] float32, each device's stage parameters, flat.
+    state: [devices, S] float32, each device's non-trainable variables.
+    opt_state: the optax state of each device's flat buffer ([devices, ...]
+      leaves).
+    step: number of optimizer steps taken.
+  """
+
+  params: jax.Array
+  state: jax.Array
+  opt_state: Any
+  step: jax.Array
+
+
+class Trainer:
+  """Trains a captured graph with a pipeline plan, exactly.
+
+  One jitted step runs the plan's schedule on a 1-D device mesh with
+  `jax.shard_map`: every device executes its own stage (see
+  `graphpipe.runtime.step` for the loop), activations and gradients move
+  with `lax.ppermute`, data-parallel stages sum their gradients, and optax
+  updates each device's flat parameter buffer. Loss and gradients equal
+  `jax.value_and_grad` of the unpipelined loss.
+
+  Example:
+    >>> graph = graphpipe.capture(loss_fn, model, batch, granularity=2)
+    >>> plan = graphpipe.plan(graph, num_devices=4, batch_size=16)
+    >>> trainer = graphpipe.Trainer(plan, optax.adam(1e-3), graph=graph)
+    >>> state = trainer.init(model)
+    >>> state, metrics = trainer.step(state, batch)
+    >>> trainer.update_model(model, state)
+
+  Args:
+    plan: the stage DAG (from `graphpipe.plan` or a baseline planner).
+    optimizer: an optax transformation. It runs on each device's flat
+      buffer, so it must treat parameters elementwise (sgd, adam, adamw,
+      ...); transformations that reduce over all parameters (global-norm
+      clipping) would see one stage only.
+    mesh: a 1-D mesh of at least `plan.num_devices` devices; default the
+      first `plan.num_devices` of `jax.devices()`.
+    graph: the captured graph the plan was made for (default `plan.graph`).
+    schedule: '1f1b' or 'gpipe' (default: the plan's), or a `Schedule`.
+    recompute: recompute each stage's forward in its backward instead of
+      stashing the forward's residuals (less memory, more compute).
+    loss_reduction: 'mean' if the loss averages per-sample losses (the
+      usual), 'sum' if it sums them.
+    stop_on_nan: raise when the loss is not finite (else only flag it).
+  """
+
+  def __init__(
+    self,
+    plan: Plan,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh | None = None,
+    *,
+    graph: OpGraph | None = None,
+    schedule=None,
+    recompute: bool = False,
+    loss_reduction: str = "mean",
+    stop_on_nan: bool = False,
+  ):
+    graph = graph if graph is not None else getattr(plan, "graph", None)
+    if graph is None or graph.program is None:
+      raise RuntimeError_(
+        "the trainer needs the captured graph the plan was made for: "
+        "Trainer(plan, optimizer, graph=graphpipe.capture(...))"
+      )
+    _check_fingerprint(plan, graph)
+    self.plan, self.graph, self.optimizer = plan, graph, optimizer
+    self.stop_on_nan = stop_on_nan
+    if schedule is None or isinstance(schedule, str):
+      schedule = schedule_for(plan, schedule)
+    check_schedule(schedule)
+    self.schedule = schedule
+    self.mesh = mesh if mesh is not None else _default_mesh(plan.num_devices)
+    if self.mesh.devices.size < plan.num_devices:
+      raise RuntimeError_(
+        f"the plan uses {plan.num_devices} devices but the mesh has "
+        f"{self.mesh.devices.size}"
+      )
+    if self.mesh.devices.size != plan.num_devices or self.mesh.axis_names != (
+      AXIS,
+    ):
+      self.mesh = Mesh(
+        np.asarray(self.mesh.devices).reshape(-1)[: plan.num_devices], (AXIS,)
+      )
+    self.layout = build_layout(graph, plan, schedule)
+    self.builder = StepBuilder(
+      self.layout,
+      schedule,
+      graph.program,
+      recompute=recompute,
+      loss_reduction=loss_reduction,
+      batch_size=plan.batch_size,
+    )
+    self.buffers = self.builder.buffers
+    self._rows = NamedSharding(self.mesh, P(AXIS))
+    self._replicated = NamedSharding(self.mesh, P())
+    self._step = jax.jit(self._shard(self._train_step), donate_argnums=(0,))
+    self._grads = jax.jit(self._shard(self._grad_step))
+    self._compiled = {}
+
+  # The SPMD functions.
+
+  def _shard(self, fn):
+    state_spec = TrainState(P(AXIS), P(AXIS), P(AXIS), P())
+    return jax.shard_map(
+      fn,
+      mesh=self.mesh,
+      in_specs=(state_spec, P()),
+      out_specs=(state_spec, P()),
+      check_vma=False,
+    )
+
+  def _local_grads(self, ts: TrainState, batch):
+    return self.builder.gradients_and_loss(ts.params[0], ts.state[0], batch)
+
+  def _train_step(self, ts: TrainState, batch):
+    grads, loss = self._local_grads(ts, batch)
+    opt_state = jax.tree.map(lambda x: x[0], ts.opt_state)
+    updates, opt_state = self.optimizer.update(grads, opt_state, ts.params[0])
+    params = optax.apply_updates(ts.params[0], updates)
+    new = TrainState(
+      params[None],
+      ts.state,
+      jax.tree.map(lambda x: x[None], opt_state),
+      ts.step + 1,
+    )
+    return new, {"loss": loss}
+
+  def _grad_step(self, ts: TrainState, batch):
+    grads, loss = self._local_grads(ts, batch)
+    return ts._replace(params=grads[None]), {"loss": loss}
+
+  # Public API.
+
+  def init(self, model_or_variables) -> TrainState:
+    """Initial state from an NNX model (or linen variables) of the graph."""
+    values = self.graph.program.variable_values(model_or_variables)
+    return self.state_from_values(values)
+
+  def state_from_values(self, values: dict, step: int = 0) -> TrainState:
+    """A state from parameter / state values by key ('param:a.b.kernel')."""
+    lay, buf = self.layout, self.buffers
+    params = np.zeros((lay.num_devices, buf.params), np.float32)
+    state = np.zeros((lay.num_devices, buf.state), np.float32)
+    for s in lay.stages:
+      for d in s.devices:
+        params[d] = packing.host_flat(
+          values, s.params, lay.param_shapes, buf.params
+        )
+        state[d] = packing.host_flat(
+          values, s.state, lay.param_shapes, buf.state
+        )
+    params = self._to_rows(params)
+    state = self._to_rows(state)
+    init = jax.jit(
+      jax.shard_map(
+        lambda p: jax.tree.map(lambda x: x[None], self.optimizer.init(p[0])),
+        mesh=self.mesh,
+        in_specs=P(AXIS),
+        out_specs=P(AXIS),
+        check_vma=False,
+      )
+    )
+    step_array = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
+    return TrainState(params, state, init(params), step_array)
+
+  def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+    """One optimizer step on `batch` (the plan's batch size)."""
+    batch = self._device_batch(batch)
+    new, metrics = self._step(state, batch)
+    loss = float(_first_shard(metrics["loss"]))
+    metrics = {"loss": loss, "finite": bool(np.isfinite(loss))}
+    if self.stop_on_nan and not metrics["finite"]:
+      raise RuntimeError_(
+        f"the loss is {loss} at step {int(_first_shard(new.step))}"
+      )
+    return new, metrics
+
+  def loss_and_grads(self, state: TrainState, batch) -> tuple[float, dict]:
+    """The pipelined loss and gradients by 'param:' key (no update)."""
+    out, metrics = self._grads(state, self._device_batch(batch))
+    return float(_first_shard(metrics["loss"])), self._gather(out.params)
+
+  def params(self, state: TrainState) -> dict:
+    """Current parameters by 'param:' key, gathered to the host."""
+    return self._gather(state.params)
+
+  def update_model(self, model, state: TrainState):
+    """Writes the trained parameters into an NNX model (in place)."""
+    from flax import nnx
+
+    nnx.update(model, self.graph.program.unflatten_params(self.params(state)))
+    return model
+
+  def variables(self, state: TrainState, variables=None) -> dict:
+    """Linen variables with the trained parameters."""
+    out = dict(variables or {})
+    out["params"] = self.graph.program.unflatten_params(self.params(state))
+    return out
+
+  # Reports.
+
+  def compiled(self, state: TrainState, batch):
+    """The compiled train step (for memory and cost analysis)."""
+    batch = self._device_batch(batch)
+    return self._step.lower(state, batch).compile()
+
+  def memory_report(self, state: TrainState, batch) -> dict:
+    """Per-device bytes: parameters (own, padded) and the compiled peak."""
+    lay, buf = self.layout, self.buffers
+    start = time.perf_counter()
+    compiled = self.compiled(state, batch)
+    compile_s = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    own = np.zeros(lay.num_devices)
+    for s in lay.stages:
+      for d in s.devices:
+        own[d] = 4 * lay.param_size(s.id)
+    held = 4 * buf.params
+    peak = None
+    if mem is not None:
+      peak = int(
+        getattr(mem, "peak_memory_in_bytes", 0)
+        or mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        + mem.temp_size_in_bytes
+        - mem.alias_size_in_bytes
+      )
+    return {
+      "compile_time_s": compile_s,
+      "param_bytes_own": own.tolist(),
+      "param_bytes_held": [held] * lay.num_devices,
+      "param_padding_bytes": [held - o for o in own.tolist()],
+      "stash_bytes": buf.stash_bytes(),
+      "peak_memory_bytes": peak,
+    }
+
+  # Helpers.
+
+  def _to_rows(self, host: np.ndarray) -> jax.Array:
+    return jax.make_array_from_callback(
+      host.shape, self._rows, lambda i: host[i]
+    )
+
+  def _device_batch(self, batch):
+    specs = {i.name: i for i in self.graph.inputs}
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    names = [".".join(_key(k) for k in path) for path, _ in leaves]
+    if sorted(names) != sorted(specs):
+      raise RuntimeError_(
+        f"the batch has leaves {sorted(names)}, the graph expects "
+        f"{sorted(specs)}"
+      )
+    out = {}
+    for name, (_, x) in zip(names, leaves, strict=True):
+      spec = specs[name]
+      x = np.asarray(x) if not isinstance(x, jax.Array) else x
+      want = (self.plan.batch_size,) + tuple(spec.shape)
+      if tuple(x.shape) != want or str(x.dtype) != spec.dtype:
+        raise RuntimeError_(
+          f"batch leaf {name!r} is {x.dtype}{list(x.shape)}; the plan "
+          f"needs {spec.dtype}{list(want)}"
+        )
+      if isinstance(x, jax.Array) and x.sharding == self._replicated:
+        out[name] = x
+      else:
+        host = np.asarray(x)
+        out[name] = jax.make_array_from_callback(
+          host.shape, self._replicated, lambda i, h=host: h[i]
+        )
+    return out
+
+  def _gather(self, rows: jax.Array) -> dict:
+    """Each stage's flat buffer (from its first device) -> values by key."""
+    from jax.experimental import multihost_utils
+
+    host = np.asarray(
+      multihost_utils.process_allgather(rows, tiled=True)
+      if jax.process_count() > 1
+      else rows
+    )
+    out = {}
+    lay = self.layout
+    for s in lay.stages:
+      flat, at = host[s.devices[0]], 0
+      for k in s.params:
+        shape, dtype = lay.param_shapes[k]
+        n = math.prod(shape)
+        out[k[len("param:") :]] = flat[at : at + n].reshape(shape).astype(dtype)
+        at += n
+    return {f"param:{k}": v for k, v in out.items()}
+
+
+def _key(k) -> str:
+  for attr in ("key", "idx", "name"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def _first_shard(x):
+  return np.asarray(x.addressable_shards[0].data)
+
+
+def _default_mesh(num_devices: int) -> Mesh:
+  devices = jax.devices()
+  if len(devices) < num_devices:
+    raise RuntimeError_(
+      f"the plan needs {num_devices} devices, JAX sees {len(devices)}: on "
+      "CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
+      "importing jax"
+    )
+  return Mesh(np.asarray(devices[:num_devices]), (AXIS,))
+
+
+def _check_fingerprint(plan: Plan, graph: OpGraph):
+  if not plan.graph_fingerprint:
+    return
+  from graphpipe.costs import graph_fingerprint
+
+  if plan.graph_fingerprint != graph_fingerprint(graph):
+    raise RuntimeError_(
+      "this plan was made for another graph (fingerprints differ): plan "
+      "the captured graph you train"
+    )
