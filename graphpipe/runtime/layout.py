@@ -237,8 +237,8 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
       },
       key=_key_order,
     )
-    if not keys:
-      raise RuntimeError_(f"stage edge {src}->{dst} carries no value")
+    # An edge may carry nothing: sequential plans chain stages of
+    # independent branches, which only orders them.
     chunk = b // len(plan.stages[src].devices)
     values = []
     for key in keys:
@@ -292,6 +292,8 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
     )
   transfers = []
   for e, edge in enumerate(edges):
+    if not edge.values:
+      continue
     src, dst = stages[edge.src], stages[edge.dst]
     for i, sd in enumerate(src.devices):
       for j, dd in enumerate(dst.devices):

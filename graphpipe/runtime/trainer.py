@@ -122,9 +122,9 @@ class Trainer:
     self.buffers = self.builder.buffers
     self._rows = NamedSharding(self.mesh, P(AXIS))
     self._replicated = NamedSharding(self.mesh, P())
-    self._step = jax.jit(self._shard(self._train_step), donate_argnums=(0,))
-    self._grads = jax.jit(self._shard(self._grad_step))
-    self._compiled = {}
+    # One compiled program serves training and verification: it returns
+    # the reduced gradients beside the new state.
+    self._step = jax.jit(self._shard(self._train_step))
 
   # The SPMD functions.
 
@@ -134,7 +134,7 @@ class Trainer:
       fn,
       mesh=self.mesh,
       in_specs=(state_spec, P()),
-      out_specs=(state_spec, P()),
+      out_specs=(state_spec, P(), P(AXIS)),
       check_vma=False,
     )
 
@@ -152,11 +152,7 @@ class Trainer:
       jax.tree.map(lambda x: x[None], opt_state),
       ts.step + 1,
     )
-    return new, {"loss": loss}
-
-  def _grad_step(self, ts: TrainState, batch):
-    grads, loss = self._local_grads(ts, batch)
-    return ts._replace(params=grads[None]), {"loss": loss}
+    return new, {"loss": loss}, grads[None]
 
   # Public API.
 
@@ -195,7 +191,7 @@ class Trainer:
   def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
     """One optimizer step on `batch` (the plan's batch size)."""
     batch = self._device_batch(batch)
-    new, metrics = self._step(state, batch)
+    new, metrics, _ = self._step(state, batch)
     loss = float(_first_shard(metrics["loss"]))
     metrics = {"loss": loss, "finite": bool(np.isfinite(loss))}
     if self.stop_on_nan and not metrics["finite"]:
@@ -206,8 +202,8 @@ class Trainer:
 
   def loss_and_grads(self, state: TrainState, batch) -> tuple[float, dict]:
     """The pipelined loss and gradients by 'param:' key (no update)."""
-    out, metrics = self._grads(state, self._device_batch(batch))
-    return float(_first_shard(metrics["loss"])), self._gather(out.params)
+    _, metrics, grads = self._step(state, self._device_batch(batch))
+    return float(_first_shard(metrics["loss"])), self._gather(grads)
 
   def params(self, state: TrainState) -> dict:
     """Current parameters by 'param:' key, gathered to the host."""

@@ -1,0 +1,117 @@
+"""Plans and references shared by the runtime tests."""
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from experiments.graph import capture_zoo
+from graphpipe import models
+from graphpipe.costs import device_spec
+from graphpipe.planner import plan
+
+BATCH = 16
+
+# Compute-bound devices with free links: the planners then split and
+# replicate stages as far as memory forces them to.
+SLOW = dataclasses.replace(
+  device_spec("v100"),
+  name="slow-compute",
+  peak_flops={"float32": 1e8},
+  memory_bandwidth=1e13,
+  intra_node_bandwidth=1e13,
+  inter_node_bandwidth=1e13,
+  intra_node_latency=0.0,
+  inter_node_latency=0.0,
+  half_efficiency_elements=1.0,
+  devices_per_node=8,
+)
+
+
+@functools.cache
+def tiny_graph(name):
+  return capture_zoo(name, "tiny", batch_size=4)
+
+
+@functools.cache
+def pipeline_plan(name, num_devices, planner):
+  """The planner's plan under the tightest memory that still fits.
+
+  Tight memory forces the planners to cut the tiny models into as many
+  stages as they can, so the runtime sees real pipelines (and, where the
+  planner prefers it, data-parallel stages).
+  """
+  graph = tiny_graph(name)
+  low, high = 1.0, 8.0 * graph.totals()["param_bytes"] + 1e6
+  best = plan(graph, num_devices, BATCH, planner=planner, device=SLOW)
+  for _ in range(18):
+    mid = (low + high) / 2
+    try:
+      best = plan(
+        graph,
+        num_devices,
+        BATCH,
+        planner=planner,
+        device=SLOW,
+        memory_bytes=mid,
+      )
+      high = mid
+    except Exception:
+      low = mid
+  return best
+
+
+def model_and_batch(name, seed=0):
+  spec = models.get(name)
+  cfg = models.config(name, "tiny")
+  return models.build(name, cfg, seed=1), spec.make_batch(cfg, BATCH, seed=seed)
+
+
+def reference_loss_and_grads(name, model, batch):
+  spec = models.get(name)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  loss, grads = jax.value_and_grad(
+    lambda p: spec.loss_fn(nnx.merge(graphdef, p, rest), batch)
+  )(params)
+  values = tiny_graph(name).program.variable_values(
+    nnx.merge(graphdef, grads, rest)
+  )
+  return float(loss), {
+    k: v for k, v in values.items() if k.startswith("param:")
+  }
+
+
+def reference_training(name, model, batches, optimizer):
+  """Parameters after plain single-device optax steps, by 'param:' key."""
+  spec = models.get(name)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  opt_state = optimizer.init(params)
+  losses = []
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(
+      lambda p: spec.loss_fn(nnx.merge(graphdef, p, rest), batch)
+    )(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  for batch in batches:
+    params, opt_state, loss = step(params, opt_state, batch)
+    losses.append(float(loss))
+  values = tiny_graph(name).program.variable_values(
+    nnx.merge(graphdef, params, rest)
+  )
+  return losses, {k: v for k, v in values.items() if k.startswith("param:")}
+
+
+def max_rel_error(got: dict, want: dict) -> float:
+  assert sorted(got) == sorted(want)
+  return max(
+    float(np.max(np.abs(np.asarray(got[k]) - np.asarray(want[k]))))
+    / (float(np.max(np.abs(np.asarray(want[k])))) + 1e-12)
+    for k in want
+  )
