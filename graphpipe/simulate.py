@@ -1,0 +1,404 @@
+"""`simulate`: one training iteration of a plan, timed under a cost model.
+
+The event model. Every stage runs its schedule's actions in order; all
+devices of a data-parallel stage run each action together, on their share of
+the micro-batch. An action starts when its stage is free and its inputs are
+there, and lasts the sum of its nodes' times at the per-device micro-batch:
+
+  forward  s, k: after the activations of micro-batch k arrived from every
+                 predecessor stage;
+  backward s, k: after its own forward of k, and after the gradients of k
+                 arrived from every successor stage.
+
+When an action ends, its outputs (activations forward, activation gradients
+backward) leave for each neighbouring stage: one transfer per pair of
+sending and receiving devices (a stage edge between |D1| and |D2| devices
+uses max(|D1|, |D2|) pairs, each carrying its share of edge bytes x
+micro-batch). Transfers overlap with compute, but each directed device link
+sends one transfer at a time, in order. After its last backward a
+data-parallel stage all-reduces its gradients over its devices, then every
+device runs the optimizer step; the iteration ends when the last device
+finishes.
+
+Since every device's order is fixed, processing the actions by schedule tick
+(each action's dependencies and device predecessor have smaller ticks) gives
+exactly the times an event-driven run would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from graphpipe import trace
+from graphpipe.errors import GraphpipeError
+from graphpipe.graph import OpGraph
+from graphpipe.plan import CostModel, Plan, stage_memory_bytes
+from graphpipe.schedule import (
+  BACKWARD,
+  FORWARD,
+  Action,
+  Schedule,
+  check_schedule,
+  schedule_for,
+)
+
+_BUSY = ("forward", "backward", "allreduce", "optimizer")
+
+
+class SimulationError(GraphpipeError):
+  """A plan, graph and schedule that do not fit together."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """What `simulate` measured for one iteration of a plan.
+
+  Example:
+    >>> report = simulate(plan, graph, cost_model)
+    >>> print(report)
+    >>> report.save_trace("trace.json"); report.save_gantt("schedule.png")
+
+  Args:
+    planner: the plan's planner.
+    schedule_kind: '1f1b' or 'gpipe'.
+    batch_size: samples per iteration.
+    iteration_time_s: time from the first action to the last optimizer
+      step.
+    throughput_samples_per_s: batch_size / iteration_time_s.
+    peak_memory_bytes: per device (0 for devices no stage uses): weights,
+      gradients, optimizer state, non-trainable state and the stashed
+      activations at the observed peak (the plan's memory rule).
+    memory_capacity_bytes: one device's memory under the cost model.
+    peak_stash: per stage, the most micro-batches stashed at once.
+    busy_time_s: per device, time spent computing, all-reducing and
+      updating.
+    bubble_fraction: idle fraction of the used devices' time.
+    device_stages: per device, the stage it runs (None: unused).
+    events: the timeline (see `graphpipe.trace`).
+  """
+
+  planner: str
+  schedule_kind: str
+  batch_size: int
+  iteration_time_s: float
+  throughput_samples_per_s: float
+  peak_memory_bytes: tuple[float, ...]
+  memory_capacity_bytes: float
+  peak_stash: tuple[int, ...]
+  busy_time_s: tuple[float, ...]
+  bubble_fraction: float
+  device_stages: tuple[int | None, ...]
+  events: tuple[trace.TraceEvent, ...] = dataclasses.field(repr=False)
+
+  @property
+  def max_peak_memory_bytes(self) -> float:
+    """The largest per-device peak."""
+    return max(self.peak_memory_bytes, default=0.0)
+
+  @property
+  def fits_memory(self) -> bool:
+    """Whether every device's peak fits its memory."""
+    return self.max_peak_memory_bytes <= self.memory_capacity_bytes
+
+  def track_names(self) -> dict[int, str]:
+    """A trace track name per used device, e.g. 'device 3 (stage 1)'."""
+    return {
+      d: f"device {d} (stage {s})"
+      for d, s in enumerate(self.device_stages)
+      if s is not None
+    }
+
+  def to_dict(self) -> dict:
+    """The figures as a JSON-ready dict (without the events)."""
+    out = {
+      f.name: getattr(self, f.name)
+      for f in dataclasses.fields(self)
+      if f.name != "events"
+    }
+    out["max_peak_memory_bytes"] = self.max_peak_memory_bytes
+    out["fits_memory"] = self.fits_memory
+    return out
+
+  def trace(self) -> dict:
+    """The timeline in Chrome/Perfetto's trace format."""
+    return trace.chrome_trace(self.events, self.track_names(), self._facts())
+
+  def save_trace(self, path: str) -> None:
+    """Writes `trace()` as JSON (open it in https://ui.perfetto.dev)."""
+    trace.save_chrome_trace(
+      path, self.events, self.track_names(), self._facts()
+    )
+
+  def save_gantt(self, path: str, title: str = "") -> None:
+    """Draws the timeline as a Gantt chart PNG (needs matplotlib)."""
+    title = title or (
+      f"{self.planner} ({self.schedule_kind}): "
+      f"{self.iteration_time_s * 1e3:.3g} ms/iteration, bubble "
+      f"{self.bubble_fraction:.0%}"
+    )
+    trace.save_gantt(path, self.events, self.track_names(), title)
+
+  def _facts(self) -> dict:
+    return {
+      "planner": self.planner,
+      "schedule": self.schedule_kind,
+      "iteration_time_s": self.iteration_time_s,
+      "bubble_fraction": self.bubble_fraction,
+    }
+
+  def __str__(self) -> str:
+    gib = 2**30
+    return (
+      f"{self.planner} ({self.schedule_kind}): iteration "
+      f"{self.iteration_time_s * 1e3:.4g} ms, "
+      f"{self.throughput_samples_per_s:.4g} samples/s, bubble "
+      f"{self.bubble_fraction:.1%}, peak memory "
+      f"{self.max_peak_memory_bytes / gib:.3g} GiB of "
+      f"{self.memory_capacity_bytes / gib:.3g} GiB, stash per stage "
+      f"{list(self.peak_stash)}"
+    )
+
+
+def simulate(
+  plan: Plan,
+  graph: OpGraph,
+  cost_model: CostModel | None = None,
+  schedule: Schedule | None = None,
+) -> Report:
+  """Times one training iteration of `plan` (see the module docstring).
+
+  Example:
+    >>> plan = graphpipe.planner.plan(graph, 8, 64)
+    >>> report = simulate(plan, graph)
+    >>> report.throughput_samples_per_s, report.bubble_fraction
+
+  Args:
+    plan: the stage DAG.
+    graph: the OpGraph the plan partitions (for node costs and edge bytes).
+    cost_model: times of nodes, transfers, all-reduces and optimizer steps;
+      default: the analytic model of the plan's device preset ('v100' when
+      the plan names none).
+    schedule: the action order; default `schedule_for(plan)`. A given one
+      is checked first.
+  """
+  if cost_model is None:
+    # costs imports JAX; a caller with its own cost model never needs it.
+    from graphpipe import costs
+
+    cost_model = costs.AnalyticCostModel(
+      costs.device_spec(plan.device or "v100")
+    )
+  if schedule is None:
+    schedule = schedule_for(plan)
+  else:
+    check_schedule(schedule)
+  _check_fit(plan, graph, schedule)
+  num_stages = plan.num_stages
+  share = [_per_device(s.micro_batch_size, len(s.devices)) for s in plan.stages]
+  compute = {
+    kind: [
+      sum(cost_model.node_time(graph.nodes[n], share[s.id], k) for n in s.nodes)
+      for s in plan.stages
+    ]
+    for kind, k in ((FORWARD, "fwd"), (BACKWARD, "bwd"))
+  }
+  edge_bytes = _stage_edge_bytes(plan, graph)
+  events: list[trace.TraceEvent] = []
+  stage_free = [0.0] * num_stages
+  link_free: dict[tuple[int, int], float] = {}
+  arrival: dict[Action, float] = {}
+  finish: dict[Action, float] = {}
+
+  def send(action, src, dst):
+    """Transfers `action`'s outputs from stage src to dst; returns arrival."""
+    per_sample, fixed = edge_bytes.get(
+      (min(src, dst), max(src, dst)), (0.0, 0.0)
+    )
+    total = per_sample * plan.stages[src].micro_batch_size + fixed
+    senders, receivers = plan.stages[src].devices, plan.stages[dst].devices
+    pairs = max(len(senders), len(receivers))
+    latest = finish[action]
+    for i in range(pairs):
+      link = (senders[i % len(senders)], receivers[i % len(receivers)])
+      duration = cost_model.transfer_time(total / pairs, *link)
+      start = max(finish[action], link_free.get(link, 0.0))
+      link_free[link] = start + duration
+      latest = max(latest, start + duration)
+      if duration > 0:
+        what = "act" if action.kind == FORWARD else "grad"
+        events.append(
+          trace.TraceEvent(
+            f"{what} {action} {src}->{dst}",
+            "transfer",
+            link[1],
+            start,
+            duration,
+            lane=f"from dev {link[0]}",
+            args={"bytes": total / pairs, "from_device": link[0]},
+          )
+        )
+    return latest
+
+  ticks = schedule.ticks()
+  for action in sorted(ticks, key=ticks.__getitem__):
+    stage, k = action.stage, action.microbatch
+    start = stage_free[stage]
+    if action.kind == BACKWARD:
+      start = max(start, finish[Action(stage, FORWARD, k)])
+    start = max(start, arrival.get(action, 0.0))
+    duration = compute[action.kind][stage]
+    finish[action] = start + duration
+    stage_free[stage] = start + duration
+    for device in plan.stages[stage].devices:
+      events.append(
+        trace.TraceEvent(
+          str(action),
+          "forward" if action.kind == FORWARD else "backward",
+          device,
+          start,
+          duration,
+          args={"stage": stage, "microbatch": k},
+        )
+      )
+    if action.kind == FORWARD:
+      neighbours = plan.successors(stage)
+    else:
+      neighbours = plan.predecessors(stage)
+    for other in neighbours:
+      needed_by = Action(other, action.kind, k)
+      arrival[needed_by] = max(
+        arrival.get(needed_by, 0.0), send(action, stage, other)
+      )
+
+  device_end = {}
+  for stage in plan.stages:
+    params = sum(graph.nodes[n].param_bytes for n in stage.nodes)
+    clock = stage_free[stage.id]
+    steps = []
+    if len(stage.devices) > 1 and params > 0:
+      steps.append(
+        ("allreduce", cost_model.allreduce_time(params, stage.devices))
+      )
+    if params > 0:
+      steps.append(("optimizer", cost_model.optimizer_time(params)))
+    for name, duration in steps:
+      for device in stage.devices:
+        events.append(
+          trace.TraceEvent(
+            f"{name} {stage.id}",
+            name,
+            device,
+            clock,
+            duration,
+            args={"stage": stage.id, "param_bytes": params},
+          )
+        )
+      clock += duration
+    for device in stage.devices:
+      device_end[device] = clock
+  iteration_time = max(device_end.values())
+
+  busy = [0.0] * plan.num_devices
+  for e in events:
+    if e.category in _BUSY:
+      busy[e.device] += e.duration_s
+  used = sorted(device_end)
+  capacity = len(used) * iteration_time
+  bubble = 1.0 - sum(busy[d] for d in used) / capacity if capacity else 0.0
+  peak_stash = tuple(_peak_stash(schedule, s) for s in range(num_stages))
+  memory = [0.0] * plan.num_devices
+  device_stages: list[int | None] = [None] * plan.num_devices
+  for stage in plan.stages:
+    peak = stage_memory_bytes(
+      graph, stage.nodes, share[stage.id], peak_stash[stage.id]
+    )
+    for device in stage.devices:
+      memory[device] = peak
+      device_stages[device] = stage.id
+  return Report(
+    planner=plan.planner,
+    schedule_kind=schedule.kind,
+    batch_size=plan.batch_size,
+    iteration_time_s=iteration_time,
+    throughput_samples_per_s=(
+      plan.batch_size / iteration_time if iteration_time > 0 else float("inf")
+    ),
+    peak_memory_bytes=tuple(memory),
+    memory_capacity_bytes=float(cost_model.memory_bytes),
+    peak_stash=peak_stash,
+    busy_time_s=tuple(busy),
+    bubble_fraction=max(0.0, bubble),
+    device_stages=tuple(device_stages),
+    events=tuple(events),
+  )
+
+
+def _per_device(micro_batch: int, num_devices: int) -> int | float:
+  """A device's share of a micro-batch (whole when it divides evenly)."""
+  whole, rest = divmod(micro_batch, num_devices)
+  return whole if not rest else micro_batch / num_devices
+
+
+def _peak_stash(schedule: Schedule, stage: int) -> int:
+  """The most forwards of `stage` whose backward had not yet run."""
+  stashed = peak = 0
+  for _, action in schedule.stage_actions(stage):
+    stashed += 1 if action.kind == FORWARD else -1
+    peak = max(peak, stashed)
+  return peak
+
+
+def _stage_edge_bytes(
+  plan: Plan, graph: OpGraph
+) -> dict[tuple[int, int], tuple[float, float]]:
+  """(bytes per sample, fixed bytes) crossing each stage edge.
+
+  A value read by several nodes of the receiving stage travels once, so a
+  source node counts with its largest edge into that stage.
+  """
+  stage_of = plan.stage_of_node()
+  largest: dict[tuple[int, int], dict[int, tuple[float, float]]] = {}
+  for e in graph.edges:
+    src, dst = stage_of[e.src], stage_of[e.dst]
+    if src == dst:
+      continue
+    if (src, dst) not in plan.stage_edges:
+      raise SimulationError(
+        f"operator edge {e.src}->{e.dst} goes from stage {src} to stage "
+        f"{dst}, but the plan has no stage edge {src}->{dst}: the plan does "
+        "not match the graph (re-plan it for this graph)"
+      )
+    by_node = largest.setdefault((src, dst), {})
+    old = by_node.get(e.src, (0.0, 0.0))
+    by_node[e.src] = (max(old[0], e.bytes), max(old[1], e.fixed_bytes))
+  return {
+    edge: (sum(b for b, _ in v.values()), sum(f for _, f in v.values()))
+    for edge, v in largest.items()
+  }
+
+
+def _check_fit(plan: Plan, graph: OpGraph, schedule: Schedule) -> None:
+  """Raises `SimulationError` unless plan, graph and schedule match."""
+  covered = sorted(n for s in plan.stages for n in s.nodes)
+  if covered != list(range(len(graph.nodes))):
+    raise SimulationError(
+      f"the plan's stages hold nodes {_short(covered)} but the graph has "
+      f"nodes 0..{len(graph.nodes) - 1}: every node must be in exactly one "
+      "stage (re-plan for this graph)"
+    )
+  same = (
+    schedule.stage_devices == tuple(tuple(s.devices) for s in plan.stages)
+    and set(schedule.stage_edges) == set(map(tuple, plan.stage_edges))
+    and schedule.num_microbatches == plan.num_microbatches
+  )
+  if not same:
+    raise SimulationError(
+      "the schedule was built for another plan (stages, devices, edges or "
+      "micro-batch count differ): build it with schedule_for(plan)"
+    )
+
+
+def _short(ids: Sequence[int]) -> str:
+  text = str(list(ids))
+  return text if len(text) < 60 else text[:57] + "...]"

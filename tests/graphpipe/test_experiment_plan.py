@@ -1,0 +1,106 @@
+"""End-to-end runs of experiments.plan and experiments.compare_planners.
+
+Each runs the absl app in a subprocess on tiny zoo configs, as a user would.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RESULT_KEYS = {
+  "planner",
+  "num_devices",
+  "num_stages",
+  "depth",
+  "micro_batch_size",
+  "num_microbatches",
+  "iteration_time_s",
+  "throughput_samples_per_s",
+  "peak_memory_bytes",
+  "bubble_fraction",
+  "search_time_s",
+  "config",
+  "environment",
+}
+
+
+def _run(module, *args):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  return subprocess.run(
+    [sys.executable, "-m", module, *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+
+
+def test_plan_writes_every_output(tmp_path):
+  done = _run(
+    "experiments.plan",
+    "--model=two_branch",
+    "--config=tiny",
+    "--num_devices=4",
+    "--planner=graphpipe",
+    "--device=v100",
+    f"--out={tmp_path}",
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "[4/4] wrote" in done.stdout
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert RESULT_KEYS <= set(results)
+  assert results["planner"] == "graphpipe"
+  assert results["num_devices"] == 4
+  # No --batch_size: the zoo default for one 4-device node.
+  assert results["config"]["batch_size_source"] == "default"
+  assert results["throughput_samples_per_s"] > 0
+  assert 0 <= results["bubble_fraction"] < 1
+  trace = json.loads((tmp_path / "trace.json").read_text())
+  assert any(e["ph"] == "X" for e in trace["traceEvents"])
+  schedule = json.loads((tmp_path / "schedule.json").read_text())
+  assert schedule["num_microbatches"] == results["num_microbatches"]
+  assert (tmp_path / "plan.json").exists()
+  pytest.importorskip("matplotlib")
+  assert (tmp_path / "schedule.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+  "flag,message",
+  [
+    ("--planner=nope", "unknown planner 'nope'"),
+    ("--model=nope", "unknown model 'nope'"),
+    ("--device=tpu9", "unknown device preset 'tpu9'"),
+  ],
+)
+def test_plan_refuses_bad_input_with_the_package_error(tmp_path, flag, message):
+  done = _run("experiments.plan", "--config=tiny", f"--out={tmp_path}", flag)
+  assert done.returncode != 0
+  assert message in done.stderr
+  assert "Traceback" not in done.stderr
+
+
+def test_compare_planners_writes_ratios(tmp_path):
+  done = _run(
+    "experiments.compare_planners",
+    "--models=two_branch,candle_uno",
+    "--devices=4,8",
+    "--config=tiny",
+    "--device=v100",
+    f"--out={tmp_path}",
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "[12/12]" in done.stdout
+  results = json.loads((tmp_path / "results.json").read_text())
+  assert len(results["rows"]) == 2 * 2 * 3
+  pairs = {(r["model"], r["num_devices"]) for r in results["ratios"]}
+  assert pairs == {(m, n) for m in ("two_branch", "candle_uno") for n in (4, 8)}
+  for ratio in results["ratios"]:
+    assert ratio["graphpipe_over_sequential"] > 0
+  pytest.importorskip("matplotlib")
+  assert (tmp_path / "ratio.png").exists()

@@ -1,0 +1,191 @@
+"""Tests of graphpipe.simulate and graphpipe.trace against closed forms."""
+
+import dataclasses
+import itertools
+import json
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from graphpipe import trace
+from graphpipe.plan import stage_memory_bytes
+from graphpipe.schedule import gpipe, one_f_one_b, schedule_for
+from graphpipe.simulate import SimulationError, simulate
+from tests.graphpipe.test_schedule import (
+  FEW,
+  chain,
+  make_graph,
+  make_plan,
+  plans,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCosts:
+  """A CostModel with fixed rates: a node takes its FLOPs in seconds.
+
+  Args:
+    transfer_s_per_byte: point-to-point seconds per byte.
+    allreduce_s_per_byte: ring all-reduce seconds per byte per step.
+    optimizer_s_per_byte: optimizer seconds per parameter byte.
+    memory_bytes: one device's memory.
+  """
+
+  transfer_s_per_byte: float = 0.0
+  allreduce_s_per_byte: float = 0.0
+  optimizer_s_per_byte: float = 0.0
+  memory_bytes: float = 1e6
+
+  def node_time(self, node, batch, kind):
+    return node.cost(f"{kind}_flops", batch)
+
+  def transfer_time(self, num_bytes, src, dst):
+    return num_bytes * self.transfer_s_per_byte
+
+  def allreduce_time(self, num_bytes, devices):
+    k = len(devices)
+    return 2 * (k - 1) / k * num_bytes * self.allreduce_s_per_byte
+
+  def optimizer_time(self, param_bytes):
+    return param_bytes * self.optimizer_s_per_byte
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("p,m", [(1, 4), (2, 8), (4, 4), (4, 16), (8, 3)])
+def test_bubble_on_balanced_chains_is_the_closed_form(kind, p, m):
+  plan = make_plan(chain(p), m)
+  report = simulate(
+    plan, make_graph(chain(p)), UnitCosts(), schedule_for(plan, kind)
+  )
+  assert report.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+  # Forward 1 s and backward 2 s per micro-batch on every stage.
+  assert report.iteration_time_s == pytest.approx((m + p - 1) * 3.0)
+  assert report.throughput_samples_per_s == pytest.approx(
+    m / ((m + p - 1) * 3.0)
+  )
+
+
+@pytest.mark.parametrize("p", [2, 4, 6])
+def test_observed_stash_is_p_minus_i_plus_1_for_1f1b_and_m_for_gpipe(p):
+  m = 8
+  plan = make_plan(chain(p), m)
+  graph = make_graph(chain(p))
+  fast = simulate(plan, graph, UnitCosts(), one_f_one_b(plan))
+  slow = simulate(plan, graph, UnitCosts(), gpipe(plan))
+  assert fast.peak_stash == tuple(p - i + 1 for i in range(1, p + 1))
+  assert slow.peak_stash == (m,) * p
+  # Memory follows the plan's rule with the observed stash.
+  assert fast.peak_memory_bytes[0] == stage_memory_bytes(graph, (0,), 1, p)
+  assert slow.max_peak_memory_bytes > fast.max_peak_memory_bytes
+
+
+def test_transfers_allreduce_and_optimizer_add_up_on_two_stages():
+  # Stage 0 on 2 devices (data parallel), stage 1 on one; one micro-batch
+  # of 2 samples; edge 8 bytes/sample; parameters 64 bytes per stage.
+  plan = make_plan(chain(2), 1, [2, 1], micro_batch_size=2)
+  costs = UnitCosts(
+    transfer_s_per_byte=0.5,
+    allreduce_s_per_byte=0.25,
+    optimizer_s_per_byte=0.01,
+  )
+  report = simulate(plan, make_graph(chain(2)), costs)
+  transfer = 16 / 2 * 0.5  # 16 bytes over two device pairs
+  forward0, forward1 = 1.0, 2.0  # 1 sample per device, 2 on stage 1
+  backward0, backward1 = 2.0, 4.0
+  allreduce = 64 * 0.25  # 2 (k - 1) / k = 1 for k = 2
+  optimizer = 64 * 0.01
+  expected = (
+    (forward0 + transfer + forward1 + backward1 + transfer + backward0)
+    + allreduce
+    + optimizer
+  )
+  assert report.iteration_time_s == pytest.approx(expected)
+  names = {e.category for e in report.events}
+  assert names == {"forward", "backward", "transfer", "allreduce", "optimizer"}
+
+
+def test_a_slow_link_delays_the_receiver_and_queues_transfers():
+  plan = make_plan(chain(2), 4)
+  graph = make_graph(chain(2), edge_bytes=1.0)
+  free = simulate(plan, graph, UnitCosts())
+  slow = simulate(plan, graph, UnitCosts(transfer_s_per_byte=5.0))
+  assert slow.iteration_time_s > free.iteration_time_s
+  sends = sorted(
+    (e.start_s, e.start_s + e.duration_s)
+    for e in slow.events
+    if e.category == "transfer" and e.lane == "from dev 0"
+  )
+  # One link, one transfer at a time.
+  assert all(end <= nxt for (_, end), (nxt, _) in itertools.pairwise(sends))
+
+
+@FEW
+@given(plans(), st.floats(0.0, 2.0), st.floats(0.0, 1.0))
+def test_simulated_time_is_never_below_total_work_per_device(
+  plan, transfer, allreduce
+):
+  graph = make_graph((plan.num_stages, plan.stage_edges))
+  costs = UnitCosts(transfer, allreduce, 0.001)
+  for schedule in (one_f_one_b(plan), gpipe(plan)):
+    report = simulate(plan, graph, costs, schedule)
+    used = [d for d, s in enumerate(report.device_stages) if s is not None]
+    work = sum(report.busy_time_s)
+    assert report.iteration_time_s >= work / len(used) * (1 - 1e-9)
+    assert 0.0 <= report.bubble_fraction < 1.0
+    assert all(
+      stash <= bound
+      for stash, bound in zip(
+        report.peak_stash, schedule.in_flight, strict=True
+      )
+    )
+
+
+def test_a_schedule_or_graph_of_another_plan_is_refused():
+  plan = make_plan(chain(2), 2)
+  other = make_plan(chain(2), 4)
+  with pytest.raises(SimulationError, match="built for another plan"):
+    simulate(plan, make_graph(chain(2)), UnitCosts(), one_f_one_b(other))
+  with pytest.raises(SimulationError, match="every node must be in"):
+    simulate(plan, make_graph(chain(3)), UnitCosts())
+
+
+def test_trace_has_one_track_per_device_and_every_action(tmp_path):
+  plan = make_plan((3, ((0, 1), (0, 2))), 2, [1, 2, 1])
+  report = simulate(plan, make_graph((3, ((0, 1), (0, 2)))), UnitCosts(1.0))
+  path = tmp_path / "trace.json"
+  report.save_trace(str(path))
+  data = json.loads(path.read_text())
+  names = {
+    e["pid"]: e["args"]["name"]
+    for e in data["traceEvents"]
+    if e["name"] == "process_name"
+  }
+  assert names == {
+    0: "device 0 (stage 0)",
+    1: "device 1 (stage 1)",
+    2: "device 2 (stage 1)",
+    3: "device 3 (stage 2)",
+  }
+  slices = [e for e in data["traceEvents"] if e["ph"] == "X"]
+  compute = [e for e in slices if e["cat"] in ("forward", "backward")]
+  assert len(compute) == 4 * 2 * 2  # devices x micro-batches x (F, B)
+  assert any(e["cat"] == "transfer" for e in slices)
+  assert data["otherData"]["planner"] == "test"
+
+
+def test_gantt_png_is_drawn(tmp_path):
+  pytest.importorskip("matplotlib")
+  plan = make_plan(chain(3), 4)
+  report = simulate(plan, make_graph(chain(3)), UnitCosts(0.1))
+  path = tmp_path / "schedule.png"
+  report.save_gantt(str(path))
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gantt_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
+  monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+  monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+  with pytest.raises(trace.PlotsUnavailableError, match="pip install"):
+    trace.save_gantt(str(tmp_path / "x.png"), [])
