@@ -14,8 +14,8 @@ import time
 
 from absl import app, flags
 
-import graphpipe
 from graphpipe import models
+from graphpipe.models import capture_zoo
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("model", "two_branch", models.NAMES, "Zoo model.")
@@ -29,43 +29,6 @@ flags.DEFINE_string(
   "'layer', 'block' or a module depth; default: the model's capture depth.",
 )
 flags.DEFINE_string("out", None, "Output folder.", required=True)
-
-
-def capture_zoo(
-  name: str,
-  config: str = "tiny",
-  batch_size: int | None = None,
-  granularity=None,
-  costs: bool = True,
-) -> graphpipe.OpGraph:
-  """Captures zoo model `name` at size `config` on abstract weights.
-
-  Example:
-    >>> graph = capture_zoo("candle_uno", "paper")
-    >>> len(graph.sources())
-    7
-
-  Args:
-    name: a model of `graphpipe.models.NAMES`.
-    config: 'paper' or 'tiny'.
-    batch_size: batch size to trace at; per-sample figures do not depend on
-      it (default 8).
-    granularity: as in `graphpipe.capture`; default the model's depth.
-    costs: measure per-node FLOPs and bytes.
-  """
-  spec = models.get(name)
-  cfg = models.config(name, config)
-  model = models.build(name, cfg, abstract=True)
-  batch = spec.abstract_batch(cfg, batch_size or 8)
-  return graphpipe.capture(
-    spec.loss_fn,
-    model,
-    batch,
-    granularity=granularity or spec.capture_depth,
-    costs=costs,
-    name=name,
-    config=config,
-  )
 
 
 def _granularity(text):

@@ -2,9 +2,10 @@
 
 Each node's jaxpr is compiled on its own from abstract values (nothing is
 allocated) and XLA's cost analysis of the optimised program gives FLOPs and
-bytes accessed (after fusion). Identical layers share one measurement. The backward pass is measured as the node's VJP minus its forward.
-Bytes the backward keeps are the residuals of `jax.vjp` (its pytree leaves),
-which include the node's own inputs when the backward reads them.
+bytes accessed (after fusion). Identical layers share one measurement. The
+backward pass is measured as the node's VJP minus its forward. Bytes the
+backward keeps are the residuals of `jax.vjp` (its pytree leaves), which
+include the node's own inputs when the backward reads them.
 
 Figures are measured at two batch sizes and split into a per-sample slope
 and a batch-independent remainder, so no axis has to be guessed as the

@@ -191,3 +191,6 @@ def num_params(model: nnx.Module) -> int:
   """
   leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
   return sum(math.prod(leaf.shape) for leaf in leaves)
+
+
+from graphpipe.models.zoo_capture import capture_zoo as capture_zoo  # noqa: E402

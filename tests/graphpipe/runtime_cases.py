@@ -8,9 +8,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from experiments.graph import capture_zoo
 from graphpipe import models
 from graphpipe.costs import device_spec
+from graphpipe.models import capture_zoo
 from graphpipe.planner import plan
 
 BATCH = 16

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from experiments.graph import capture_zoo
 from graphpipe import models
+from graphpipe.models import capture_zoo
 
 
 def branch_lengths(graph):
