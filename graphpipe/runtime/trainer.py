@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 from typing import Any, NamedTuple
 
@@ -125,6 +127,15 @@ class Trainer:
     # One compiled program serves training and verification: it returns
     # the reduced gradients beside the new state.
     self._step = jax.jit(self._shard(self._train_step))
+    self._init_opt = jax.jit(
+      jax.shard_map(
+        lambda p: jax.tree.map(lambda x: x[None], optimizer.init(p[0])),
+        mesh=self.mesh,
+        in_specs=P(AXIS),
+        out_specs=P(AXIS),
+        check_vma=False,
+      )
+    )
 
   # The SPMD functions.
 
@@ -176,17 +187,8 @@ class Trainer:
         )
     params = self._to_rows(params)
     state = self._to_rows(state)
-    init = jax.jit(
-      jax.shard_map(
-        lambda p: jax.tree.map(lambda x: x[None], self.optimizer.init(p[0])),
-        mesh=self.mesh,
-        in_specs=P(AXIS),
-        out_specs=P(AXIS),
-        check_vma=False,
-      )
-    )
     step_array = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
-    return TrainState(params, state, init(params), step_array)
+    return TrainState(params, state, self._init_opt(params), step_array)
 
   def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
     """One optimizer step on `batch` (the plan's batch size)."""
@@ -221,6 +223,67 @@ class Trainer:
     out = dict(variables or {})
     out["params"] = self.graph.program.unflatten_params(self.params(state))
     return out
+
+  # Checkpoints.
+
+  def save(self, state: TrainState, directory: str) -> None:
+    """Writes `state` to `directory` (orbax; every process calls it)."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(directory, "state"), state, force=True)
+    checkpointer.wait_until_finished()
+    if jax.process_index() == 0:
+      with open(os.path.join(directory, "layout.json"), "w") as f:
+        json.dump(self._signature(), f)
+
+  def restore(self, directory: str) -> TrainState:
+    """Reads a state written by `save` for this same plan and graph."""
+    import orbax.checkpoint as ocp
+
+    directory = os.path.abspath(directory)
+    try:
+      with open(os.path.join(directory, "layout.json")) as f:
+        saved = json.load(f)
+    except FileNotFoundError as err:
+      raise RuntimeError_(f"{directory} holds no graphpipe checkpoint") from err
+    if saved != self._signature():
+      raise RuntimeError_(
+        "this checkpoint was written for another plan or graph "
+        f"(saved {saved}, this trainer {self._signature()})"
+      )
+    return ocp.StandardCheckpointer().restore(
+      os.path.join(directory, "state"), self._abstract_state()
+    )
+
+  def _signature(self) -> dict:
+    from graphpipe.costs import graph_fingerprint
+
+    return {
+      "graph": graph_fingerprint(self.graph),
+      "stages": [list(s.nodes) for s in self.layout.stages],
+      "devices": [list(s.devices) for s in self.layout.stages],
+      "buffers": [self.buffers.params, self.buffers.state],
+    }
+
+  def _abstract_state(self) -> TrainState:
+    rows = lambda shape: jax.ShapeDtypeStruct(
+      shape, jnp.float32, sharding=self._rows
+    )
+    num_devices = self.layout.num_devices
+    params = rows((num_devices, self.buffers.params))
+    opt_state = jax.eval_shape(self._init_opt, params)
+    opt_state = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._rows),
+      opt_state,
+    )
+    return TrainState(
+      params,
+      rows((num_devices, self.buffers.state)),
+      opt_state,
+      jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated),
+    )
 
   # Reports.
 

@@ -1,0 +1,135 @@
+"""Runtime: multi-process, checkpoints, memory, bad input."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import optax
+import pytest
+
+from graphpipe.errors import GraphpipeError
+from graphpipe.plan import Plan, Stage
+from graphpipe.runtime import Trainer
+from graphpipe.runtime.launch import launch
+from tests.graphpipe import runtime_cases as rc
+
+WORKER = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+def train_losses(trainer, model, steps=3, state=None):
+  state = state if state is not None else trainer.init(model)
+  losses = []
+  for s in range(steps):
+    state, metrics = trainer.step(state, rc.model_and_batch("two_branch", s)[1])
+    losses.append(metrics["loss"])
+  return state, losses
+
+
+def test_two_processes_reproduce_one_process():
+  plan = rc.pipeline_plan("two_branch", 8, "graphpipe")
+  model, _ = rc.model_and_batch("two_branch")
+  trainer = Trainer(plan, optax.sgd(0.1), graph=rc.tiny_graph("two_branch"))
+  _, want = train_losses(trainer, model)
+  env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  outputs = launch([WORKER], 2, 4, env=env, timeout=300)
+  for out in outputs:
+    line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
+    result = json.loads(line[len("RESULT ") :])
+    assert result["devices"] == 8
+    assert result["losses"] == want  # bit for bit
+
+
+def test_checkpoint_resume_continues_exactly(tmp_path):
+  plan = rc.pipeline_plan("two_branch", 4, "sequential")
+  model, _ = rc.model_and_batch("two_branch")
+  trainer = Trainer(plan, optax.adam(1e-2), graph=rc.tiny_graph("two_branch"))
+  state = trainer.init(model)
+  losses = []
+  for s in range(4):
+    state, metrics = trainer.step(state, rc.model_and_batch("two_branch", s)[1])
+    losses.append(metrics["loss"])
+    if s == 1:
+      trainer.save(state, str(tmp_path / "ckpt"))
+  resumed = trainer.restore(str(tmp_path / "ckpt"))
+  again = []
+  for s in range(2, 4):
+    resumed, metrics = trainer.step(
+      resumed, rc.model_and_batch("two_branch", s)[1]
+    )
+    again.append(metrics["loss"])
+  assert again == losses[2:]
+  other = Trainer(
+    rc.pipeline_plan("two_branch", 8, "graphpipe"),
+    optax.adam(1e-2),
+    graph=rc.tiny_graph("two_branch"),
+  )
+  with pytest.raises(GraphpipeError, match="another plan"):
+    other.restore(str(tmp_path / "ckpt"))
+
+
+def test_memory_report_and_parameter_placement():
+  plan = rc.pipeline_plan("two_branch", 8, "graphpipe")
+  graph = rc.tiny_graph("two_branch")
+  model, batch = rc.model_and_batch("two_branch")
+  trainer = Trainer(plan, optax.adam(1e-2), graph=graph)
+  state = trainer.init(model)
+  report = trainer.memory_report(state, batch)
+  total = graph.totals()["param_bytes"]
+  for own, held in zip(
+    report["param_bytes_own"], report["param_bytes_held"], strict=True
+  ):
+    assert own < total / 2  # no device holds the whole model
+    assert held <= 1.1 * own  # balanced stages: padding within 10%
+  assert report["peak_memory_bytes"] > 0
+  # Each device's row of the state is its own stage's parameters.
+  rows = np.asarray(state.params)
+  values = graph.program.variable_values(model)
+  for s in trainer.layout.stages:
+    first = values[s.params[0]].reshape(-1)
+    for d in s.devices:
+      np.testing.assert_array_equal(rows[d, : first.size], first)
+
+
+def test_bad_inputs():
+  plan = rc.pipeline_plan("two_branch", 4, "graphpipe")
+  graph = rc.tiny_graph("two_branch")
+  model, batch = rc.model_and_batch("two_branch")
+  trainer = Trainer(plan, optax.sgd(0.1), graph=graph)
+  state = trainer.init(model)
+  wrong = dict(batch)
+  key = next(iter(wrong))
+  wrong[key] = wrong[key][:-1]
+  with pytest.raises(GraphpipeError, match="the plan needs"):
+    trainer.step(state, wrong)
+  wrong = dict(batch)
+  wrong[key] = wrong[key].astype(np.float64)
+  with pytest.raises(GraphpipeError, match="the plan needs"):
+    trainer.step(state, wrong)
+  with pytest.raises(GraphpipeError, match="another graph|cover"):
+    Trainer(
+      rc.pipeline_plan("mmt", 4, "graphpipe"), optax.sgd(0.1), graph=graph
+    )
+  big = Plan(
+    "manual",
+    (Stage(0, tuple(range(len(graph.nodes))), tuple(range(16)), 16),),
+    (),
+    16,
+    16,
+  )
+  with pytest.raises(GraphpipeError, match="16 devices"):
+    Trainer(big, optax.sgd(0.1), graph=graph)
+  nan_batch = {k: v.copy() for k, v in batch.items()}
+  for v in nan_batch.values():
+    if v.dtype == np.float32:
+      v[:] = np.nan
+  _, metrics = trainer.step(state, nan_batch)
+  assert not metrics["finite"]
+  strict = Trainer(plan, optax.sgd(0.1), graph=graph, stop_on_nan=True)
+  with pytest.raises(GraphpipeError, match="loss is nan"):
+    strict.step(strict.init(model), nan_batch)
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__]))
