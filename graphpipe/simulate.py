@@ -165,6 +165,7 @@ def simulate(
   graph: OpGraph,
   cost_model: CostModel | None = None,
   schedule: Schedule | None = None,
+  lockstep: bool = False,
 ) -> Report:
   """Times one training iteration of `plan` (see the module docstring).
 
@@ -181,6 +182,10 @@ def simulate(
       the plan names none).
     schedule: the action order; default `schedule_for(plan)`. A given one
       is checked first.
+    lockstep: time the schedule as `graphpipe.runtime` executes it: tick by
+      tick, every tick lasting until its slowest action and its transfers
+      are done (one SPMD program with collectives at every tick), instead
+      of each stage starting as soon as its inputs arrive.
   """
   if cost_model is None:
     # costs imports JAX; a caller with its own cost model never needs it.
@@ -241,9 +246,12 @@ def simulate(
     return latest
 
   ticks = schedule.ticks()
+  tick_start, tick_end, current = 0.0, 0.0, -1
   for action in sorted(ticks, key=ticks.__getitem__):
     stage, k = action.stage, action.microbatch
-    start = stage_free[stage]
+    if lockstep and ticks[action] != current:
+      current, tick_start = ticks[action], tick_end
+    start = max(stage_free[stage], tick_start)
     if action.kind == BACKWARD:
       start = max(start, finish[Action(stage, FORWARD, k)])
     start = max(start, arrival.get(action, 0.0))
@@ -265,12 +273,16 @@ def simulate(
       neighbours = plan.successors(stage)
     else:
       neighbours = plan.predecessors(stage)
+    tick_end = max(tick_end, finish[action])
     for other in neighbours:
       needed_by = Action(other, action.kind, k)
       arrival[needed_by] = max(
         arrival.get(needed_by, 0.0), send(action, stage, other)
       )
+      tick_end = max(tick_end, arrival[needed_by])
 
+  if lockstep:  # the scan ends for every device at once
+    stage_free = [tick_end] * num_stages
   device_end = {}
   for stage in plan.stages:
     params = sum(graph.nodes[n].param_bytes for n in stage.nodes)

@@ -62,8 +62,13 @@ class EdgeLayout:
   values: tuple[ValueSpec, ...]  # shapes at the *source* chunk size
 
   @property
+  def token(self) -> bool:
+    """The edge only orders its stages: it carries one zero per sample."""
+    return not self.values
+
+  @property
   def width(self) -> int:
-    return sum(v.width for v in self.values)
+    return sum(v.width for v in self.values) if self.values else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,8 +242,9 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
       },
       key=_key_order,
     )
-    # An edge may carry nothing: sequential plans chain stages of
-    # independent branches, which only orders them.
+    # Sequential plans chain stages of independent branches: such an edge
+    # carries no value, only the order. A one-column token keeps that order
+    # physical, as a sequential pipeline's data flow would.
     chunk = b // len(plan.stages[src].devices)
     values = []
     for key in keys:
@@ -292,8 +298,6 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
     )
   transfers = []
   for e, edge in enumerate(edges):
-    if not edge.values:
-      continue
     src, dst = stages[edge.src], stages[edge.dst]
     for i, sd in enumerate(src.devices):
       for j, dd in enumerate(dst.devices):

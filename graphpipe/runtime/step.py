@@ -162,8 +162,9 @@ class StepBuilder:
         rows = [
           packing.to_rows(env[v.key], v, s.chunk) for v in edges[e].values
         ]
-        if rows:
-          blocks.append(jnp.concatenate(rows, axis=1).reshape(-1))
+        if edges[e].token:
+          rows = [jnp.zeros((s.chunk, 1), jnp.float32)]
+        blocks.append(jnp.concatenate(rows, axis=1).reshape(-1))
       out = jnp.concatenate(blocks) if blocks else jnp.zeros((0,), jnp.float32)
       loss = sum(
         (env[k].astype(jnp.float32) for k in s.loss_keys),

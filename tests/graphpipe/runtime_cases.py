@@ -8,10 +8,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+from experiments.common import tightest_plan
 from graphpipe import models
 from graphpipe.costs import device_spec
 from graphpipe.models import capture_zoo
-from graphpipe.planner import plan
 
 BATCH = 16
 
@@ -38,30 +38,8 @@ def tiny_graph(name):
 
 @functools.cache
 def pipeline_plan(name, num_devices, planner):
-  """The planner's plan under the tightest memory that still fits.
-
-  Tight memory forces the planners to cut the tiny models into as many
-  stages as they can, so the runtime sees real pipelines (and, where the
-  planner prefers it, data-parallel stages).
-  """
-  graph = tiny_graph(name)
-  low, high = 1.0, 8.0 * graph.totals()["param_bytes"] + 1e6
-  best = plan(graph, num_devices, BATCH, planner=planner, device=SLOW)
-  for _ in range(18):
-    mid = (low + high) / 2
-    try:
-      best = plan(
-        graph,
-        num_devices,
-        BATCH,
-        planner=planner,
-        device=SLOW,
-        memory_bytes=mid,
-      )
-      high = mid
-    except Exception:
-      low = mid
-  return best
+  """The planner's plan for a tiny model under the tightest memory."""
+  return tightest_plan(tiny_graph(name), num_devices, BATCH, planner, SLOW)
 
 
 def model_and_batch(name, seed=0):

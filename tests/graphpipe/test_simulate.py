@@ -189,3 +189,38 @@ def test_gantt_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
   monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
   with pytest.raises(trace.PlotsUnavailableError, match="pip install"):
     trace.save_gantt(str(tmp_path / "x.png"), [])
+
+
+def test_lockstep_matches_tick_by_tick_count():
+  # Two chained stages, 4 micro-batches, backward twice the forward: the
+  # lock-step 1F1B grid has 2 forward-only ticks and 8 ticks holding a
+  # backward, so (2 f + 8 b); the asynchronous pipeline needs (m+p-1)(f+b).
+  from graphpipe.graph import Edge, Node, OpGraph
+  from graphpipe.plan import Plan, Stage
+  from graphpipe.simulate import simulate
+
+  class Fixed:
+    memory_bytes = 1e12
+
+    def node_time(self, node, batch, kind):
+      return 1.0 if kind == "fwd" else 2.0
+
+    def transfer_time(self, num_bytes, src, dst):
+      return 0.0
+
+    def allreduce_time(self, num_bytes, devices):
+      return 0.0
+
+    def optimizer_time(self, param_bytes):
+      return 0.0
+
+  graph = OpGraph([Node(0, "a"), Node(1, "b")], [Edge(0, 1, 4.0)])
+  plan = Plan(
+    "sequential",
+    (Stage(0, (0,), (0,), 1, 2), Stage(1, (1,), (1,), 1, 1)),
+    ((0, 1),),
+    4,
+    2,
+  )
+  assert simulate(plan, graph, Fixed()).iteration_time_s == 15.0
+  assert simulate(plan, graph, Fixed(), lockstep=True).iteration_time_s == 18.0

@@ -1,0 +1,77 @@
+"""experiments.train and experiments.bench_runtime run end to end."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+def run(args, tmp_path):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the experiments set their own device count
+  out = subprocess.run(
+    [sys.executable, "-m", *args, f"--out={tmp_path}"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  with open(tmp_path / "results.json") as f:
+    return json.load(f)
+
+
+def test_train_verify_two_branch_8_devices(tmp_path):
+  results = run(
+    [
+      "experiments.train",
+      "--model=two_branch",
+      "--config=tiny",
+      "--num_devices=8",
+      "--planner=graphpipe",
+      "--steps=3",
+      "--verify",
+    ],
+    tmp_path,
+  )
+  assert results["verify_max_rel_error"] < 1e-5
+  assert len(results["loss"]) == 3
+  assert results["plan"]["num_stages"] > 1
+  for key in ("compile_time_s", "step_time_s", "samples_per_s"):
+    assert results[key] > 0
+  assert len(results["peak_memory_bytes"]) == 8
+
+
+def test_tiny_mmt_compiles_in_under_a_minute(tmp_path):
+  results = run(
+    [
+      "experiments.train",
+      "--model=mmt",
+      "--config=tiny",
+      "--num_devices=8",
+      "--planner=sequential",
+      "--steps=1",
+    ],
+    tmp_path,
+  )
+  assert results["plan"]["num_stages"] >= 4
+  assert results["compile_time_s"] < 60
+
+
+def test_bench_runtime_smoke(tmp_path):
+  results = run(
+    [
+      "experiments.bench_runtime",
+      "--in_features=16",
+      "--hidden=32",
+      "--batch_size=16",
+      "--pairs=2",
+    ],
+    tmp_path,
+  )
+  assert results["depth"] == {"graphpipe": 1, "sequential": 2}
+  for key in ("measured_ratio", "predicted_ratio"):
+    assert results[key] > 0
