@@ -91,6 +91,8 @@ class Plan:
       stage's time per sample (seconds).
     search_time_s: time the planner took.
     graph_fingerprint: identifies the OpGraph the plan is for.
+    graph: the OpGraph itself, when the planner had it (not saved to JSON;
+      lets `graphpipe.Trainer(plan, optimizer)` find the program).
   """
 
   planner: str
@@ -103,6 +105,9 @@ class Plan:
   bottleneck_time_per_sample: float = 0.0
   search_time_s: float = 0.0
   graph_fingerprint: str = ""
+  graph: OpGraph | None = dataclasses.field(
+    default=None, compare=False, repr=False
+  )
 
   @property
   def micro_batch_size(self) -> int:
@@ -147,7 +152,11 @@ class Plan:
     return "\n".join(lines)
 
   def to_dict(self) -> dict:
-    d = dataclasses.asdict(self)
+    d = {
+      f.name: getattr(self, f.name)
+      for f in dataclasses.fields(self)
+      if f.name != "graph"
+    }
     d["stages"] = [dataclasses.asdict(s) for s in self.stages]
     d["stage_edges"] = [list(e) for e in self.stage_edges]
     d.update(
@@ -160,7 +169,7 @@ class Plan:
 
   @classmethod
   def from_dict(cls, d: dict) -> Plan:
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = {f.name for f in dataclasses.fields(cls)} - {"graph"}
     kwargs = {k: v for k, v in d.items() if k in fields}
     kwargs["stages"] = tuple(
       Stage(
