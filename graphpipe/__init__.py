@@ -13,6 +13,11 @@ from graphpipe.errors import (
   GraphpipeError,
 )
 from graphpipe.graph import Edge, InputSpec, Node, OpGraph
+from graphpipe.plan import Plan, Stage
+from graphpipe.planner import PlanError, plan
+from graphpipe.runtime import Trainer, TrainState
+from graphpipe.schedule import Schedule, check_schedule, schedule_for
+from graphpipe.simulate import simulate
 
 __all__ = [
   "CaptureError",
@@ -23,6 +28,16 @@ __all__ = [
   "InputSpec",
   "Node",
   "OpGraph",
+  "Plan",
+  "PlanError",
+  "Schedule",
+  "Stage",
+  "TrainState",
+  "Trainer",
   "capture",
+  "check_schedule",
   "models",
+  "plan",
+  "schedule_for",
+  "simulate",
 ]

@@ -1,0 +1,295 @@
+"""Tests of graphpipe.planner and graphpipe.baselines."""
+
+import dataclasses
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from graphpipe import baselines, costs, planner
+from graphpipe.errors import GraphpipeError
+from graphpipe.graph import Edge, Node, OpGraph
+from graphpipe.planner import PlanError, check_plan, plan
+from graphpipe.simulate import simulate
+
+SEQ, HIDDEN, FF = 256, 1024, 4096
+V100 = costs.AnalyticCostModel(costs.device_spec("v100"))
+
+
+def block(name: str) -> Node:
+  """A transformer layer: seq 256, hidden 1024, 16 heads, FFN 4096."""
+  fwd = 2 * SEQ * 12 * HIDDEN**2 + 4 * SEQ**2 * HIDDEN
+  params = 12 * HIDDEN**2 * 4
+  return Node(
+    id=0,
+    name=name,
+    param_bytes=params,
+    fwd_flops=float(fwd),
+    bwd_flops=2.0 * fwd,
+    fwd_bytes=40.0 * SEQ * HIDDEN,
+    bwd_bytes=80.0 * SEQ * HIDDEN,
+    activation_bytes=4.0 * SEQ * HIDDEN,
+    saved_bytes=44.0 * SEQ * HIDDEN,
+    fixed={"fwd_bytes": float(params), "bwd_bytes": 2.0 * params},
+  )
+
+
+def dense(name: str, fan_in: int = FF, width: int = FF) -> Node:
+  """A feed-forward layer fan_in -> width."""
+  params = fan_in * width * 4
+  return Node(
+    id=0,
+    name=name,
+    param_bytes=params,
+    fwd_flops=2.0 * fan_in * width,
+    bwd_flops=4.0 * fan_in * width,
+    fwd_bytes=4.0 * (fan_in + width),
+    bwd_bytes=8.0 * (fan_in + width),
+    activation_bytes=4.0 * width,
+    saved_bytes=4.0 * (fan_in + width),
+    fixed={"fwd_bytes": float(params), "bwd_bytes": 2.0 * params},
+  )
+
+
+def glue(name: str) -> Node:
+  """Concatenation, a small classifier and the loss."""
+  return Node(
+    id=0,
+    name=name,
+    param_bytes=2 * HIDDEN * 10 * 4,
+    fwd_flops=2.0 * 2 * HIDDEN * 10,
+    bwd_flops=4.0 * 2 * HIDDEN * 10,
+    saved_bytes=8.0 * HIDDEN,
+  )
+
+
+def branchy(branches, join, head=()) -> OpGraph:
+  """Parallel chains of nodes joined by `join`, then a chain `head`."""
+  nodes, edges, ends = [], [], []
+  for chain in branches:
+    for i, node in enumerate(chain):
+      nodes.append(dataclasses.replace(node, id=len(nodes)))
+      if i:
+        edges.append(
+          Edge(len(nodes) - 2, len(nodes) - 1, node.activation_bytes)
+        )
+    ends.append(len(nodes) - 1)
+  nodes.append(dataclasses.replace(join, id=len(nodes)))
+  for end in ends:
+    edges.append(Edge(end, len(nodes) - 1, nodes[end].activation_bytes))
+  for node in head:
+    nodes.append(dataclasses.replace(node, id=len(nodes)))
+    edges.append(Edge(len(nodes) - 2, len(nodes) - 1, node.activation_bytes))
+  return OpGraph(nodes, edges, model="synthetic")
+
+
+def two_branch() -> OpGraph:
+  return branchy(
+    [[block(f"b{b}.{i}") for i in range(4)] for b in range(2)], glue("head")
+  )
+
+
+def candle_like(num_branches=7) -> OpGraph:
+  return branchy(
+    [
+      [dense(f"b{b}.0", 1024)] + [dense(f"b{b}.{i}") for i in range(1, 4)]
+      for b in range(num_branches)
+    ],
+    dense("join", num_branches * FF),
+    [dense("head.1"), dense("head.2"), glue("loss")],
+  )
+
+
+def transformer(layers=8) -> OpGraph:
+  return branchy([[block(f"l{i}") for i in range(layers)]], glue("head"))
+
+
+def throughput(p: planner.Plan, graph: OpGraph) -> float:
+  return simulate(p, graph, V100).throughput_samples_per_s
+
+
+@pytest.mark.parametrize("kind", planner.PLANNERS)
+@pytest.mark.parametrize("num_devices", [1, 3, 8])
+def test_plans_are_valid(kind, num_devices):
+  graph = candle_like(3)
+  p = plan(graph, num_devices, 32, planner=kind)
+  check_plan(p, graph, V100.memory_bytes)
+  assert p.planner == kind and p.device == "v100"
+  assert p.graph_fingerprint == costs.graph_fingerprint(graph)
+  assert p.search_time_s > 0 and p.bottleneck_time_per_sample > 0
+
+
+def test_case_study_graph_pipeline_is_shallower():
+  graph = two_branch()
+  gpp = plan(graph, 8, 16, micro_batch_sizes=[1, 2, 4])
+  check_plan(gpp, graph, V100.memory_bytes)
+  # One block per device; the head shares a stage with a branch's tail.
+  assert gpp.num_stages == 8 and gpp.depth == 5
+  assert sorted(len(s.nodes) for s in gpp.stages) == [1] * 7 + [2]
+  spp = plan(graph, 8, 16, planner="sequential")
+  assert spp.depth == spp.num_stages
+  assert throughput(gpp, graph) > 1.05 * throughput(spp, graph)
+
+
+def test_branches_run_concurrently_with_larger_micro_batches():
+  graph = candle_like()
+  for devices in (4, 8):
+    gpp = plan(graph, devices, 128)
+    spp = plan(graph, devices, 128, planner="sequential")
+    assert gpp.depth < spp.depth
+    assert gpp.micro_batch_size >= spp.micro_batch_size
+    assert throughput(gpp, graph) > 1.2 * throughput(spp, graph)
+
+
+def test_chain_matches_sequential():
+  graph = transformer()
+  for devices in (4, 16):
+    gpp = plan(graph, devices, 64)
+    spp = plan(graph, devices, 64, planner="sequential")
+    assert throughput(gpp, graph) >= 0.97 * throughput(spp, graph)
+
+
+def test_sequential_plan_is_a_chain():
+  graph = candle_like(3)
+  p = plan(graph, 8, 64, planner="sequential", micro_batch_sizes=[4])
+  assert p.depth == p.num_stages
+  assert all((i, i + 1) in p.stage_edges for i in range(p.num_stages - 1))
+  assert [s.in_flight for s in p.stages] == list(range(p.num_stages, 0, -1))
+
+
+def test_gpipe_keeps_every_micro_batch_in_flight():
+  graph = transformer(4)
+  p = plan(graph, 4, 16, planner="gpipe")
+  assert p.schedule == "gpipe"
+  assert all(s.in_flight == p.num_microbatches for s in p.stages)
+  assert len({len(s.devices) for s in p.stages}) == 1  # pipeline replicas
+
+
+def test_linearisations_offer_branch_and_level_orders():
+  orders = baselines.linearisations(two_branch())
+  assert orders[0] == tuple(range(9))
+  assert orders[1][:4] == (0, 4, 1, 5)
+
+
+def test_memory_budget_limits_the_micro_batch():
+  graph = transformer(4)
+  roomy = plan(graph, 4, 64, planner="sequential")
+  tight_budget = 0.3e9 + 4 * graph.nodes[0].param_bytes
+  tight = plan(graph, 4, 64, planner="sequential", memory_bytes=tight_budget)
+  check_plan(tight, graph, tight_budget)
+  assert tight.micro_batch_size < roomy.micro_batch_size or (
+    tight.num_stages != roomy.num_stages
+  )
+
+
+def test_no_fit_names_the_memory_that_would():
+  graph = transformer(4)
+  with pytest.raises(PlanError, match="smallest per-device memory") as info:
+    plan(graph, 2, 8, memory_bytes=1e8)
+  assert "GiB" in str(info.value)
+  check = float(str(info.value).split("fits is about ")[1].split(" GiB")[0])
+  fits = plan(graph, 2, 8, memory_bytes=check * 1.02 * 2**30)
+  check_plan(fits, graph, check * 1.02 * 2**30)
+
+
+def test_too_few_devices_suggests_more():
+  graph = candle_like(3)
+  weights = sum(n.param_bytes for n in graph.nodes) * 4
+  with pytest.raises(PlanError, match="use at least 2 devices"):
+    plan(graph, 1, 8, memory_bytes=0.6 * weights)
+
+
+def test_bad_arguments_are_refused():
+  graph = transformer(2)
+  with pytest.raises(PlanError, match="not divisible"):
+    plan(graph, 2, 30, micro_batch_sizes=[4, 8])
+  with pytest.raises(GraphpipeError, match="known presets"):
+    plan(graph, 2, 8, device="tpu")
+  with pytest.raises(PlanError, match="unknown planner"):
+    plan(graph, 2, 8, planner="piper")
+  with pytest.raises(PlanError, match="num_devices"):
+    plan(graph, 0, 8)
+
+
+def test_spare_devices_go_to_the_bottleneck():
+  graph = transformer(2)
+  table = costs.StageCosts(graph, V100, 16, 4, V100.memory_bytes)
+  part = planner.Partition((((0,), 1), ((1, 2), 1)), micro_batch_size=4)
+  spent = planner.spend_spare_devices(graph, part, table)
+  assert sum(k for _, k in spent.stages) > 2
+
+
+def test_estimate_tracks_the_simulator():
+  graph = candle_like(3)
+  for kind in planner.PLANNERS:
+    p = plan(graph, 8, 64, planner=kind)
+    estimate = costs.estimate_iteration_time(p, graph, V100)
+    simulated = simulate(p, graph, V100).iteration_time_s
+    assert estimate == pytest.approx(simulated, rel=0.12)
+
+
+def test_search_is_fast_at_32_devices():
+  graph = branchy(
+    [[block(f"b{b}.{i}") for i in range(8)] for b in range(4)], glue("head")
+  )
+  for kind in ("graphpipe", "sequential"):
+    start = time.perf_counter()
+    plan(graph, 32, 64, planner=kind)
+    assert time.perf_counter() - start < 10
+
+
+@st.composite
+def random_graphs(draw):
+  """Random DAGs (series-parallel or not) with random layer costs."""
+  n = draw(st.integers(1, 9))
+  pairs = [(a, b) for a in range(n) for b in range(a + 1, n)]
+  edges = []
+  if pairs:
+    edges = sorted(set(draw(st.lists(st.sampled_from(pairs), max_size=2 * n))))
+  nodes = []
+  for i in range(n):
+    width = draw(st.sampled_from([256, 1024, 4096]))
+    nodes.append(dataclasses.replace(dense(f"n{i}", width, width), id=i))
+  return OpGraph(nodes, [Edge(a, b, 4.0 * 1024) for a, b in edges])
+
+
+@settings(
+  max_examples=80,
+  deadline=None,
+  suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+  random_graphs(),
+  st.integers(1, 6),
+  st.sampled_from([4, 6, 8]),
+  st.sampled_from(planner.PLANNERS),
+  st.sampled_from([0.3e9, 2e9, 16e9]),
+)
+def test_every_plan_is_valid(graph, devices, batch, kind, memory):
+  try:
+    p = plan(graph, devices, batch, planner=kind, memory_bytes=memory)
+  except PlanError as err:
+    assert "smallest per-device memory" in str(err)
+    return
+  check_plan(p, graph, memory)
+
+
+@pytest.fixture(scope="module")
+def case_study():
+  from graphpipe.models import capture_zoo
+
+  return capture_zoo("two_branch", "paper")
+
+
+def test_case_study_on_the_captured_model(case_study):
+  # A batch of 8 keeps the pipeline short, as in the paper's case study:
+  # with many micro-batches warm-up matters little (see BUILD.md).
+  gpp = plan(case_study, 8, 8)
+  spp = plan(case_study, 8, 8, planner="sequential")
+  for p in (gpp, spp):
+    check_plan(p, case_study, V100.memory_bytes)
+  assert (gpp.num_stages, spp.num_stages) == (8, 8)
+  assert (gpp.depth, spp.depth) == (5, 8)
+  assert gpp.micro_batch_size >= spp.micro_batch_size
+  assert throughput(gpp, case_study) >= 1.15 * throughput(spp, case_study)
