@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,23 @@ from graphpipe.runtime.layout import (
 from graphpipe.schedule import Schedule
 
 AXIS = "pipe"
+
+
+class Operands(NamedTuple):
+  """What every branch of the tick's `lax.switch` receives."""
+
+  params: jax.Array  # this device's flat parameters
+  state: jax.Array  # its flat non-trainable variables
+  batch: dict  # the whole batch, replicated
+  act: jax.Array  # activation stash (all slots, flat)
+  grad: jax.Array  # gradient stash
+  res: jax.Array  # residual stash
+  gacc: jax.Array  # accumulated parameter gradients
+  loss: jax.Array  # accumulated loss
+  microbatch: jax.Array  # the action's micro-batch
+  act_slot: jax.Array  # its slots in the three stashes
+  grad_slot: jax.Array
+  res_slot: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,13 +400,29 @@ class StepBuilder:
       for k in s.batch
     }
 
-  def _sends(self, pieces):
-    """[channels, channel size] from {channel: 1-D piece}."""
+  def _sends(self, device, vector=None, offsets=None, *, forward=True):
+    """[channels, channel size]: what `device` sends after an action.
+
+    Forward: rows of its output edge matrices (`vector`, blocks at
+    `offsets`) to the successors' devices; backward: rows of the gradients
+    of its input edge matrices to the predecessors' devices.
+    """
     sends = jnp.zeros(
       (self.buffers.channels, self.buffers.channel), jnp.float32
     )
-    for c, piece in pieces.items():
-      sends = sends.at[c].set(packing.pad_to(piece, self.buffers.channel))
+    for tr in self.layout.transfers:
+      mine, other, row = (
+        (tr.src_device, tr.dst_device, tr.src_row)
+        if forward
+        else (tr.dst_device, tr.src_device, tr.dst_row)
+      )
+      if mine != device:
+        continue
+      width = self.layout.edges[tr.edge].width
+      start = offsets[tr.edge] + row * width
+      piece = vector[start : start + tr.rows * width]
+      channel = self.channel_of[(device, other)]
+      sends = sends.at[channel].set(packing.pad_to(piece, self.buffers.channel))
     return sends
 
   def _forward_branch(self, device):
@@ -400,27 +434,15 @@ class StepBuilder:
     f = self.stage_function(stage)
 
     def branch(ops):
-      (
-        params,
-        state,
-        batch,
-        act,
-        grad,
-        res,
-        gacc,
-        loss,
-        mb,
-        aslot,
-        gslot,
-        rslot,
-      ) = ops
-      del grad, gslot
       values = {
-        **self._unflatten(params, s.params),
-        **self._unflatten(state, s.state),
+        **self._unflatten(ops.params, s.params),
+        **self._unflatten(ops.state, s.state),
       }
-      acts = lax.dynamic_slice_in_dim(act, aslot * buf.act_slot, in_size)
-      rows = self._batch_rows(stage, device, batch, mb)
+      acts = lax.dynamic_slice_in_dim(
+        ops.act, ops.act_slot * buf.act_slot, in_size
+      )
+      rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
+      res = ops.res
       if self.recompute:
         out, stage_loss = f(values, acts, rows)
       else:
@@ -431,17 +453,10 @@ class StepBuilder:
           packing.pack_leaves([leaves[i] for i in keep]), buf.res_slot
         )
         res = lax.dynamic_update_slice_in_dim(
-          res, kept, rslot * buf.res_slot, 0
+          res, kept, ops.res_slot * buf.res_slot, 0
         )
-      pieces = {}
-      for tr in lay.transfers:
-        if tr.src_device == device:
-          width = lay.edges[tr.edge].width
-          start = out_offsets[tr.edge] + tr.src_row * width
-          pieces[self.channel_of[(device, tr.dst_device)]] = out[
-            start : start + tr.rows * width
-          ]
-      return res, gacc, loss + weight * stage_loss, self._sends(pieces)
+      sends = self._sends(device, out, out_offsets, forward=True)
+      return res, ops.gacc, ops.loss + weight * stage_loss, sends
 
     return branch
 
@@ -455,25 +470,13 @@ class StepBuilder:
     f = self.stage_function(stage)
 
     def branch(ops):
-      (
-        params,
-        state,
-        batch,
-        act,
-        grad,
-        res,
-        gacc,
-        loss,
-        mb,
-        aslot,
-        gslot,
-        rslot,
-      ) = ops
-      trainable = self._unflatten(params, s.params)
-      frozen = self._unflatten(state, s.state)
-      rows = self._batch_rows(stage, device, batch, mb)
+      trainable = self._unflatten(ops.params, s.params)
+      frozen = self._unflatten(ops.state, s.state)
+      rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
       if self.recompute:
-        acts = lax.dynamic_slice_in_dim(act, aslot * buf.act_slot, in_size)
+        acts = lax.dynamic_slice_in_dim(
+          ops.act, ops.act_slot * buf.act_slot, in_size
+        )
         _, vjp = jax.vjp(
           lambda p, a: f({**p, **frozen}, a, rows), trainable, acts
         )
@@ -483,7 +486,7 @@ class StepBuilder:
           stage, {**trainable, **frozen}, blank, rows
         )
         stored = lax.dynamic_slice_in_dim(
-          res, rslot * buf.res_slot, buf.res_slot
+          ops.res, ops.res_slot * buf.res_slot, buf.res_slot
         )
         for i, value in zip(
           keep,
@@ -493,22 +496,15 @@ class StepBuilder:
           leaves[i] = value
         vjp = jax.tree.unflatten(treedef, leaves)
       cotangent = lax.dynamic_slice_in_dim(
-        grad, gslot * buf.grad_slot, out_size
+        ops.grad, ops.grad_slot * buf.grad_slot, out_size
       )
       grad_params, grad_acts = vjp(
         (cotangent, jnp.asarray(weight, jnp.float32))
       )
       flat = packing.pack_leaves([grad_params[k] for k in s.params])
-      gacc = gacc + packing.pad_to(flat, buf.params)
-      pieces = {}
-      for tr in lay.transfers:
-        if tr.dst_device == device:
-          width = lay.edges[tr.edge].width
-          start = in_offsets[tr.edge] + tr.dst_row * width
-          pieces[self.channel_of[(device, tr.src_device)]] = grad_acts[
-            start : start + tr.rows * width
-          ]
-      return res, gacc, loss, self._sends(pieces)
+      gacc = ops.gacc + packing.pad_to(flat, buf.params)
+      sends = self._sends(device, grad_acts, in_offsets, forward=False)
+      return ops.res, gacc, ops.loss, sends
 
     return branch
 
@@ -516,8 +512,7 @@ class StepBuilder:
     """[idle, F of device d0, B of d0, F of d1, ...] for `lax.switch`."""
 
     def idle(ops):
-      res, gacc, loss = ops[5], ops[6], ops[7]
-      return res, gacc, loss, self._sends({})
+      return ops.res, ops.gacc, ops.loss, self._sends(None)
 
     out = [idle]
     for d in self.branch_devices:
@@ -543,7 +538,7 @@ class StepBuilder:
     def tick(carry, row):
       act, grad, res, gacc, loss = carry
       mine = {k: v[me] for k, v in row.items()}
-      ops = (
+      ops = Operands(
         params,
         state,
         batch,
