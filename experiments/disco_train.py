@@ -35,6 +35,10 @@ from disco.models import ResNet, ResNetConfig, ViT, ViTConfig
 class Settings:
   """Everything one run depends on; the defaults are the reported run.
 
+  Example:
+    >>> Settings(seeds=1).width
+    8
+
   Args:
     model: "resnet" or "vit".
     dataset: "digits", "cifar10" or "synthetic".
@@ -67,7 +71,7 @@ class Settings:
   data_dir: str = ""
   image_size: int = 16
   test_fraction: float = 0.4
-  width: int = 16
+  width: int = 8
   num_nodes: int = 2
   comm_ratio: float = 0.2
   selection: str = "magnitude"
@@ -89,7 +93,11 @@ class Settings:
 
 
 def _define_flags() -> None:
-  """One flag per setting, its help text from the `Settings` docstring."""
+  """One flag per setting, its help text from the `Settings` docstring.
+
+  Called only when run as a program, so importing this module (tests call
+  `run`) defines no global flags that could clash with other experiments.
+  """
   choices = {
     "model": ["resnet", "vit"],
     "dataset": ["digits", "cifar10", "synthetic"],
@@ -112,11 +120,8 @@ def _define_flags() -> None:
       flags.DEFINE_integer(name, default, helps[name])
     else:
       flags.DEFINE_float(name, default, helps[name])
+  flags.DEFINE_string("out", None, "Output folder.", required=True)
 
-
-_define_flags()
-flags.DEFINE_string("out", None, "Output folder.")
-flags.mark_flag_as_required("out")
 
 _HEADLINE = (
   "accuracy_dense_per_seed",
@@ -152,6 +157,11 @@ def log(text: str) -> None:
 
 def run(settings: Settings, out: str) -> dict:
   """The whole experiment; returns what it writes to `out`/results.json.
+
+  Example (a smoke run, seconds):
+    >>> quick = Settings(dataset="synthetic", seeds=1, dense_epochs=1,
+    ...                  prune_epochs=1, finetune_epochs=1)
+    >>> results = run(quick, "/tmp/disco_smoke")  # doctest: +SKIP
 
   Args:
     settings: the run's settings.
@@ -275,15 +285,15 @@ def _accuracy(model, dataset, label) -> float:
 
 
 def _results(settings, accuracies, model, checkpoints) -> dict:
-  costs = metrics.compare(model)
   disco_report = metrics.count(model)
   dense_report = metrics.count(metrics.with_masks(model, True))
+  costs = {"disco": disco_report.summary(), "dense": dense_report.summary()}
   link = metrics.LatencyModel(
     settings.flops_per_second,
     settings.link_bytes_per_second,
     settings.message_latency,
   )
-  single = costs["single_device"]
+  single = metrics.single_device_summary(dense_report)
   results = {
     "config": dataclasses.asdict(settings),
     "environment": {
@@ -342,4 +352,5 @@ def _layer(layer: metrics.LayerCost) -> dict:
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)

@@ -1,0 +1,222 @@
+"""Training and evaluation of DISCO models for image classification.
+
+One jitted step serves every phase and every model of one architecture:
+the masks and the hyperparameters (learning rate, weight decay, group-lasso
+weight) are arguments, not constants, so pruning between steps and moving
+from dense training to fine-tuning never recompile.
+
+  fit(model, ...):
+    params, masks, rest = split(model)            # rest: batch statistics
+    for each epoch, for each shuffled batch:
+      params, rest = step(params, masks, rest, batch, lr(step), ...)
+      if the schedule prunes after this step:      # host side, rare
+        write params back, prune to r(step), read the masks again
+    write everything back; the model is left in eval mode
+"""
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from disco import prune
+from disco.errors import DiscoError
+from disco.layers import CommMask
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Hyperparameters of one training run (AdamW, warmup + cosine decay).
+
+  Example:
+    >>> TrainConfig(epochs=10).batch_size
+    64
+
+  Args:
+    epochs: passes over the training set.
+    batch_size: images per step (the last partial batch is dropped).
+    learning_rate: peak learning rate.
+    weight_decay: decoupled weight decay.
+    warmup_epochs: epochs of linear warmup.
+    group_lasso: weight of `prune.group_norm_penalty` while a schedule is
+      pruning (0 = none).
+  """
+
+  epochs: int
+  batch_size: int = 64
+  learning_rate: float = 3e-3
+  weight_decay: float = 1e-4
+  warmup_epochs: float = 1.0
+  group_lasso: float = 0.0
+
+  def steps_per_epoch(self, examples: int) -> int:
+    """Training steps in one epoch over `examples` images."""
+    return max(examples // self.batch_size, 1)
+
+
+def fit(
+  model: nnx.Module,
+  images: np.ndarray,
+  labels: np.ndarray,
+  config: TrainConfig,
+  *,
+  seed: int = 0,
+  schedule: prune.GradualSchedule | None = None,
+  progress=None,
+) -> list[float]:
+  """Trains `model` in place; optionally prunes along `schedule`.
+
+  Example:
+    >>> from flax import nnx
+    >>> from disco import data
+    >>> from disco.models import ResNet, ResNetConfig
+    >>> sample = data.synthetic(train=64, test=8)
+    >>> model = ResNet(ResNetConfig(), rngs=nnx.Rngs(0))
+    >>> losses = fit(model, sample.x_train, sample.y_train,
+    ...              TrainConfig(epochs=1))
+
+  Args:
+    model: a model built from DISCO layers (batch norm allowed).
+    images: training images.
+    labels: integer labels.
+    config: hyperparameters.
+    seed: seed of the batch order.
+    schedule: gradual pruning, counted in steps of this run; after its last
+      step the masks stay fixed (fine-tuning).
+    progress: called with one line of text per epoch.
+
+  Returns:
+    the mean training loss of every epoch.
+
+  Raises:
+    DiscoError: fewer images than one batch.
+  """
+  if len(images) < config.batch_size:
+    raise DiscoError(
+      f"{len(images)} training images are fewer than one batch of "
+      f"{config.batch_size}"
+    )
+  steps_per_epoch = config.steps_per_epoch(len(images))
+  total = config.epochs * steps_per_epoch
+  # optax needs at least one warmup step and one decay step.
+  warmup = max(min(int(config.warmup_epochs * steps_per_epoch), total - 1), 1)
+  learning_rates = np.asarray(
+    optax.warmup_cosine_decay_schedule(
+      0.0,
+      config.learning_rate,
+      warmup,
+      max(total, 2),
+      end_value=config.learning_rate * 1e-2,
+    )(jnp.arange(total))
+  )
+  model.train()
+  graphdef, params, masks, rest = nnx.split(model, nnx.Param, CommMask, ...)
+  opt_state = optax.adamw(0.0).init(params)
+  rng = np.random.default_rng(seed)
+  losses = []
+  step = 0
+  for epoch in range(config.epochs):
+    start = time.perf_counter()
+    order = rng.permutation(len(images))
+    epoch_loss = jnp.zeros(())
+    for batch in range(steps_per_epoch):
+      pruning = schedule is not None and step < schedule.steps
+      index = order[batch * config.batch_size : (batch + 1) * config.batch_size]
+      params, rest, opt_state, loss = _train_step(
+        graphdef,
+        params,
+        masks,
+        rest,
+        opt_state,
+        images[index],
+        labels[index],
+        learning_rates[step],
+        config.weight_decay,
+        config.group_lasso if pruning else 0.0,
+      )
+      epoch_loss = epoch_loss + loss
+      step += 1
+      if schedule is not None and schedule.due(step):
+        nnx.update(model, params, rest)
+        schedule.apply(model, step)
+        masks = nnx.state(model, CommMask)
+    losses.append(float(epoch_loss) / steps_per_epoch)
+    if progress is not None:
+      ratio = prune.comm_ratio(nnx.merge(graphdef, params, masks, rest))
+      progress(
+        f"epoch {epoch + 1}/{config.epochs} loss {losses[-1]:.4f} "
+        f"comm ratio {ratio:.3f} ({time.perf_counter() - start:.1f}s)"
+      )
+  nnx.update(model, params, masks, rest)
+  model.eval()
+  return losses
+
+
+def accuracy(
+  model: nnx.Module, images: np.ndarray, labels: np.ndarray, batch_size=500
+) -> float:
+  """Fraction of `images` whose top logit is the label (eval mode).
+
+  Example:
+    >>> from flax import nnx
+    >>> from disco import data
+    >>> from disco.models import ResNet, ResNetConfig
+    >>> sample = data.synthetic(train=8, test=8)
+    >>> model = ResNet(ResNetConfig(), rngs=nnx.Rngs(0))
+    >>> 0 <= accuracy(model, sample.x_test, sample.y_test) <= 1
+    True
+
+  Args:
+    model: a classifier.
+    images: images.
+    labels: integer labels.
+    batch_size: images per forward pass (the last batch is padded).
+  """
+  model.eval()
+  graphdef, state = nnx.split(model)
+  correct = 0
+  for start in range(0, len(images), batch_size):
+    chunk = images[start : start + batch_size]
+    padded = np.zeros((batch_size, *chunk.shape[1:]), chunk.dtype)
+    padded[: len(chunk)] = chunk
+    predicted = np.asarray(_predict(graphdef, state, padded))[: len(chunk)]
+    correct += int(np.sum(predicted == labels[start : start + len(chunk)]))
+  return correct / len(images)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _train_step(
+  graphdef,
+  params,
+  masks,
+  rest,
+  opt_state,
+  images,
+  labels,
+  learning_rate,
+  weight_decay,
+  group_lasso,
+):
+  def loss_fn(params):
+    # copy=True: the batch statistics are updated inside this trace.
+    model = nnx.merge(graphdef, params, masks, rest, copy=True)
+    logits = model(images)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    penalty = prune.group_norm_penalty(model)
+    *_, new_rest = nnx.split(model, nnx.Param, CommMask, ...)
+    return jnp.mean(loss) + group_lasso * penalty, (jnp.mean(loss), new_rest)
+
+  (_, (loss, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  optimizer = optax.adamw(learning_rate, weight_decay=weight_decay)
+  updates, opt_state = optimizer.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), rest, opt_state, loss
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _predict(graphdef, state, images):
+  return jnp.argmax(nnx.merge(graphdef, state)(images), axis=-1)

@@ -1,0 +1,31 @@
+"""Every example in the disco docstrings runs and prints what it says."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+  "disco",
+  "disco.checkpoint",
+  "disco.data",
+  "disco.layers",
+  "disco.metrics",
+  "disco.models",
+  "disco.models.resnet",
+  "disco.models.vit",
+  "disco.observe",
+  "disco.partition",
+  "disco.prune",
+  "disco.safe_pickle",
+  "disco.train",
+  "disco.transformer",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+  module = importlib.import_module(name)
+  flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+  result = doctest.testmod(module, optionflags=flags, verbose=False)
+  assert result.failed == 0

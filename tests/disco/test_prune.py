@@ -1,0 +1,147 @@
+"""Channel selection: exact ratios, masks only shrink, dropped is dropped."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from disco import metrics, prune
+from disco.errors import DiscoError, PruneError
+from disco.layers import DiscoConv, DiscoDense
+from disco.models import ResNet, ResNetConfig
+from tests.disco.util import normal
+
+
+class TwoLayers(nnx.Module):
+  """Two dense layers over 2 nodes: 10 + 12 channel groups."""
+
+  def __init__(self, seed=0):
+    rngs = nnx.Rngs(seed)
+    self.first = DiscoDense(10, 12, num_nodes=2, rngs=rngs)
+    self.second = DiscoDense(12, 4, num_nodes=2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.second(jax.nn.relu(self.first(x)))
+
+
+def _kept(model):
+  return [group.kept().copy() for group in prune.mask_groups(model)]
+
+
+@pytest.mark.parametrize("selection", ["magnitude", "random"])
+def test_layer_budget_reaches_the_ratio_exactly(selection):
+  model = TwoLayers()
+  prune.to_ratio(model, 0.5, selection=selection)
+  # half of 10 and of 12 groups
+  assert [int(k.sum()) for k in _kept(model)] == [5, 6]
+  assert prune.comm_ratio(model) == 0.5
+
+
+def test_global_budget_reaches_the_ratio_exactly():
+  model = TwoLayers()
+  # Three strong cross columns in the first layer (channels 5-7 into node
+  # 0), the second layer's columns all alike: scores are relative to each
+  # layer's RMS, so the three win and two of the second layer follow.
+  first = np.full((10, 12), 0.01, np.float32)
+  first[5:8, :6] = 10.0
+  model.first.kernel[...] = jnp.asarray(first)
+  model.second.kernel[...] = jnp.ones((12, 4))
+  prune.to_ratio(model, 0.25, budget="global")
+  assert [int(k.sum()) for k in _kept(model)] == [3, 2]  # floor(0.25 x 22)
+  assert np.asarray(model.first.mask[...])[0, 5:8].all()
+
+
+def test_ratio_is_floored_so_bytes_never_exceed_it():
+  model = ResNet(ResNetConfig(num_nodes=2), rngs=nnx.Rngs(0))
+  prune.to_ratio(model, 0.2)
+  costs = metrics.compare(model)
+  assert costs["disco"]["bytes_sent"] <= 0.2 * costs["dense"]["bytes_sent"]
+  assert prune.comm_ratio(model) <= 0.2
+
+
+def test_magnitude_keeps_the_largest_columns():
+  layer = DiscoDense(4, 2, num_nodes=2, rngs=nnx.Rngs(0))
+  kernel = np.full((4, 2), 0.1, np.float32)
+  kernel[3, 0] = 5.0  # column of channel 3 (node 1's) into node 0
+  kernel[0, 1] = 3.0  # column of channel 0 (node 0's) into node 1
+  layer.kernel[...] = jnp.asarray(kernel)
+  prune.to_ratio(layer, 0.5)
+  np.testing.assert_array_equal(
+    np.asarray(layer.mask[...]), [[1, 1, 0, 1], [1, 0, 1, 1]]
+  )
+
+
+def test_masks_only_shrink_and_dropped_columns_stay_dropped():
+  model = TwoLayers()
+  schedule = prune.GradualSchedule(0.2, steps=40, every=5)
+  before = _kept(model)
+  for step in range(1, 41):
+    # Training changes the weights between prunings; a dropped column that
+    # grows large must still not come back.
+    for group in prune.mask_groups(model):
+      for layer in group.layers:
+        noise = normal(step, layer.kernel.shape)
+        layer.kernel[...] = layer.kernel[...] + 0.5 * noise
+    if schedule.due(step):
+      schedule.apply(model, step)
+      after = _kept(model)
+      for old, new in zip(before, after, strict=True):
+        assert not (new & ~old).any()
+      before = after
+  assert [int(k.sum()) for k in before] == [2, 2]
+
+
+def test_output_ignores_weights_of_dropped_columns():
+  layer = DiscoConv(6, 4, 3, num_nodes=2, rngs=nnx.Rngs(0))
+  prune.to_ratio(layer, 1 / 3)
+  x = normal(1, (1, 5, 5, 6))
+  y = layer(x)
+  dropped = ~np.asarray(layer.reads())[layer.out_split.owner()].T  # (in, out)
+  assert dropped.any()
+  noise = normal(2, layer.kernel.shape)
+  layer.kernel[...] = layer.kernel[...] + 100 * noise * dropped
+  np.testing.assert_allclose(layer(x), y, rtol=1e-6)
+
+
+def test_cubic_schedule():
+  schedule = prune.GradualSchedule(0.2, steps=10, every=4)
+  assert schedule.ratio_at(0) == 1.0
+  assert schedule.ratio_at(10) == pytest.approx(0.2)
+  assert schedule.ratio_at(5) == pytest.approx(0.2 + 0.8 * 0.125)
+  assert [s for s in range(15) if schedule.due(s)] == [4, 8, 10]
+
+
+def test_random_selection_depends_on_the_seed_only():
+  a, b, c = TwoLayers(), TwoLayers(), TwoLayers()
+  prune.to_ratio(a, 0.3, selection="random", seed=1)
+  prune.to_ratio(b, 0.3, selection="random", seed=1)
+  prune.to_ratio(c, 0.3, selection="random", seed=2)
+  assert all((x == y).all() for x, y in zip(_kept(a), _kept(b), strict=True))
+  assert any((x != y).any() for x, y in zip(_kept(a), _kept(c), strict=True))
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.5, float("nan"), "0.2"])
+def test_ratio_outside_0_1_is_refused(ratio):
+  with pytest.raises(PruneError, match=r"\[0, 1\]"):
+    prune.to_ratio(TwoLayers(), ratio)
+  with pytest.raises(DiscoError):
+    prune.GradualSchedule(ratio, steps=10)
+
+
+def test_growing_masks_and_unknown_options_are_refused():
+  model = TwoLayers()
+  prune.to_ratio(model, 0.2)
+  with pytest.raises(PruneError, match="only shrink"):
+    prune.to_ratio(model, 0.5)
+  with pytest.raises(PruneError, match="selection"):
+    prune.to_ratio(model, 0.1, selection="learned")
+
+
+def test_group_norm_penalty_sums_kept_cross_columns():
+  layer = DiscoDense(2, 2, num_nodes=2, rngs=nnx.Rngs(0))
+  layer.kernel[...] = jnp.array([[1.0, 3.0], [4.0, 2.0]])
+  # cross columns: channel 1 into node 0 (4.0), channel 0 into node 1 (3.0)
+  assert float(prune.group_norm_penalty(layer)) == pytest.approx(7.0)
+  prune.to_ratio(layer, 0.5)
+  assert float(prune.group_norm_penalty(layer)) == pytest.approx(4.0)

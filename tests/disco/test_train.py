@@ -1,0 +1,94 @@
+"""Training with gradual pruning, and the experiment end to end (tiny)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from disco import checkpoint, data, prune, train
+from disco.errors import DiscoError, PruneError
+from disco.models import ResNet, ResNetConfig
+from experiments import disco_train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+# The experiment's architecture and batch size, so the tests here share one
+# compiled training step with it.
+DATASET = data.synthetic(train=128, test=64)
+
+
+def test_fit_prunes_along_the_schedule_then_keeps_masks_fixed():
+  model = ResNet(ResNetConfig(num_nodes=2), rngs=nnx.Rngs(0))
+  schedule = prune.GradualSchedule(0.25, steps=4, every=2)
+  seen = []
+  losses = train.fit(
+    model,
+    DATASET.x_train,
+    DATASET.y_train,
+    train.TrainConfig(epochs=3, group_lasso=1e-3),
+    schedule=schedule,
+    progress=seen.append,
+  )
+  assert len(losses) == 3 and len(seen) == 3 and "comm ratio" in seen[0]
+  assert losses[-1] < losses[0]
+  assert prune.comm_ratio(model) == pytest.approx(0.25, abs=0.02)
+  masks = [g.kept().copy() for g in prune.mask_groups(model)]
+  train.fit(
+    model, DATASET.x_train, DATASET.y_train, train.TrainConfig(epochs=1)
+  )
+  for before, group in zip(masks, prune.mask_groups(model), strict=True):
+    np.testing.assert_array_equal(before, group.kept())
+  assert 0.0 <= train.accuracy(model, DATASET.x_test, DATASET.y_test) <= 1.0
+
+
+def test_fit_needs_one_batch():
+  model = ResNet(ResNetConfig(), rngs=nnx.Rngs(0))
+  with pytest.raises(DiscoError, match="fewer than one batch"):
+    train.fit(
+      model,
+      np.zeros((3, 16, 16, 1)),
+      np.zeros(3, int),
+      train.TrainConfig(epochs=1),
+    )
+
+
+def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
+  settings = disco_train.Settings(
+    dataset="synthetic",
+    seeds=1,
+    dense_epochs=1,
+    prune_epochs=1,
+    finetune_epochs=1,
+  )
+  results = disco_train.run(settings, str(tmp_path))
+  assert (tmp_path / "results.json").exists()
+  for key in (
+    "accuracy_dense accuracy_disco accuracy_no_comm accuracy_random "
+    "comm_bytes_dense comm_bytes_disco flops_dense flops_disco "
+    "params_per_node_dense params_per_node_disco"
+  ).split():
+    assert isinstance(results[key], (int, float)), key
+  assert results["comm_bytes_disco"] <= 0.2 * results["comm_bytes_dense"]
+  assert results["flops_disco"] <= 0.65 * results["flops_dense"]
+  ratio = results["params_per_node_disco"] / results["params_per_node_dense"]
+  assert ratio <= 0.35
+  model = checkpoint.load(results["checkpoints"][0], expect="resnet")
+  assert prune.comm_ratio(model) <= 0.2
+
+
+def test_experiment_refuses_a_ratio_outside_0_1(tmp_path):
+  with pytest.raises(PruneError):
+    disco_train.run(disco_train.Settings(comm_ratio=1.5), str(tmp_path))
+  run = subprocess.run(
+    [sys.executable, "-m", "experiments.disco_train", "--comm_ratio=-1"]
+    + [f"--out={tmp_path}"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert run.returncode != 0
+  assert "error: communication ratio must be in [0, 1]" in run.stderr
+  assert "Traceback" not in run.stderr
