@@ -27,7 +27,7 @@ from graphpipe.program import Program
 from graphpipe.schedule import Schedule
 
 
-class RuntimeError_(GraphpipeError):
+class PipelineRuntimeError(GraphpipeError):
   """A plan, schedule or graph that the runtime cannot execute."""
 
 
@@ -153,7 +153,7 @@ def batch_axis(small_shape, large_shape, key: str) -> int:
     if a != b
   ]
   if len(axes) != 1:
-    raise RuntimeError_(
+    raise PipelineRuntimeError(
       f"value {key} crosses pipeline stages but "
       + (
         "has no batch axis (it does not grow with the batch): keep "
@@ -180,26 +180,28 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
   program: Program = graph.program
   b = plan.micro_batch_size
   if any(s.micro_batch_size != b for s in plan.stages):
-    raise RuntimeError_(
+    raise PipelineRuntimeError(
       "the runtime needs one micro-batch size for all stages; this plan "
       f"has {sorted({s.micro_batch_size for s in plan.stages})}"
     )
   if plan.batch_size % b:
-    raise RuntimeError_(
+    raise PipelineRuntimeError(
       f"batch size {plan.batch_size} is not a multiple of the micro-batch "
       f"size {b}"
     )
   for s in plan.stages:
     if b % len(s.devices):
-      raise RuntimeError_(
+      raise PipelineRuntimeError(
         f"stage {s.id} splits micro-batches of {b} over "
         f"{len(s.devices)} devices: the micro-batch must divide evenly"
       )
   if schedule.num_microbatches != plan.batch_size // b:
-    raise RuntimeError_("the schedule and the plan disagree on micro-batches")
+    raise PipelineRuntimeError(
+      "the schedule and the plan disagree on micro-batches"
+    )
   owner = {n: s.id for s in plan.stages for n in s.nodes}
   if sorted(owner) != list(range(len(graph.nodes))):
-    raise RuntimeError_(
+    raise PipelineRuntimeError(
       "the plan's stages do not cover the graph's nodes exactly once: was "
       "the plan made for another graph?"
     )
@@ -222,7 +224,9 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
     axis = batch_axis(small, large_, key)
     per = small[axis] // base.batch_size
     if small[axis] != per * base.batch_size:
-      raise RuntimeError_(f"value {key}'s batch axis is not a sample axis")
+      raise PipelineRuntimeError(
+        f"value {key}'s batch axis is not a sample axis"
+      )
     shape = list(small)
     shape[axis] = per * chunk
     return tuple(shape), axis
@@ -249,7 +253,7 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
     values = []
     for key in keys:
       if dtypes[key] not in SUPPORTED_DTYPES:
-        raise RuntimeError_(
+        raise PipelineRuntimeError(
           f"value {key} of dtype {dtypes[key]} crosses stages; supported: "
           f"{', '.join(SUPPORTED_DTYPES)}"
         )
@@ -263,7 +267,7 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
       for key in base.nodes[n].inputs:
         if key in produced_by and owner[produced_by[key]] != s.id:
           if (owner[produced_by[key]], s.id) not in edge_index:
-            raise RuntimeError_(
+            raise PipelineRuntimeError(
               f"stage {s.id} reads {key} from stage "
               f"{owner[produced_by[key]]} but the plan has no such edge"
             )

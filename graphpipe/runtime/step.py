@@ -35,7 +35,7 @@ from graphpipe.program import Program
 from graphpipe.runtime import packing
 from graphpipe.runtime.layout import (
   Layout,
-  RuntimeError_,
+  PipelineRuntimeError,
   allocate_slots,
   color_pairs,
   schedule_table,
@@ -108,7 +108,7 @@ class StepBuilder:
     batch_size: int,
   ):
     if loss_reduction not in ("mean", "sum"):
-      raise RuntimeError_(
+      raise PipelineRuntimeError(
         f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}"
       )
     self.layout = layout
@@ -213,7 +213,7 @@ class StepBuilder:
           ]
           if arrivals:
             if max(arrivals) >= f_tick:
-              raise RuntimeError_(
+              raise PipelineRuntimeError(
                 f"schedule runs {s.id}F{mb} before its inputs arrive"
               )
             end = b_tick if self.recompute else f_tick
@@ -225,7 +225,7 @@ class StepBuilder:
           ]
           if grads:
             if max(grads) >= b_tick:
-              raise RuntimeError_(
+              raise PipelineRuntimeError(
                 f"schedule runs {s.id}B{mb} before its gradients arrive"
               )
             grad_life[(d, mb)] = (min(grads), b_tick)
@@ -313,7 +313,7 @@ class StepBuilder:
   def _set_recv(self, t, device, channel, *, grad, slot, offset, length):
     tb = self.tables
     if tb["recv_valid"][t, device, channel]:
-      raise RuntimeError_(
+      raise PipelineRuntimeError(
         f"two transfers to device {device} on channel {channel} at tick {t}"
       )
     tb["recv_valid"][t, device, channel] = 1

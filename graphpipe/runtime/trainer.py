@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from graphpipe.graph import OpGraph
 from graphpipe.plan import Plan
 from graphpipe.runtime import packing
-from graphpipe.runtime.layout import RuntimeError_, build_layout
+from graphpipe.runtime.layout import PipelineRuntimeError, build_layout
 from graphpipe.runtime.step import AXIS, StepBuilder
 from graphpipe.schedule import check_schedule, schedule_for
 
@@ -89,7 +89,7 @@ class Trainer:
   ):
     graph = graph if graph is not None else getattr(plan, "graph", None)
     if graph is None or graph.program is None:
-      raise RuntimeError_(
+      raise PipelineRuntimeError(
         "the trainer needs the captured graph the plan was made for: "
         "Trainer(plan, optimizer, graph=graphpipe.capture(...))"
       )
@@ -102,7 +102,7 @@ class Trainer:
     self.schedule = schedule
     self.mesh = mesh if mesh is not None else _default_mesh(plan.num_devices)
     if self.mesh.devices.size < plan.num_devices:
-      raise RuntimeError_(
+      raise PipelineRuntimeError(
         f"the plan uses {plan.num_devices} devices but the mesh has "
         f"{self.mesh.devices.size}"
       )
@@ -197,7 +197,7 @@ class Trainer:
     loss = float(_first_shard(metrics["loss"]))
     metrics = {"loss": loss, "finite": bool(np.isfinite(loss))}
     if self.stop_on_nan and not metrics["finite"]:
-      raise RuntimeError_(
+      raise PipelineRuntimeError(
         f"the loss is {loss} at step {int(_first_shard(new.step))}"
       )
     return new, metrics
@@ -247,9 +247,11 @@ class Trainer:
       with open(os.path.join(directory, "layout.json")) as f:
         saved = json.load(f)
     except FileNotFoundError as err:
-      raise RuntimeError_(f"{directory} holds no graphpipe checkpoint") from err
+      raise PipelineRuntimeError(
+        f"{directory} holds no graphpipe checkpoint"
+      ) from err
     if saved != self._signature():
-      raise RuntimeError_(
+      raise PipelineRuntimeError(
         "this checkpoint was written for another plan or graph "
         f"(saved {saved}, this trainer {self._signature()})"
       )
@@ -334,7 +336,7 @@ class Trainer:
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     names = [".".join(_key(k) for k in path) for path, _ in leaves]
     if sorted(names) != sorted(specs):
-      raise RuntimeError_(
+      raise PipelineRuntimeError(
         f"the batch has leaves {sorted(names)}, the graph expects "
         f"{sorted(specs)}"
       )
@@ -344,7 +346,7 @@ class Trainer:
       x = np.asarray(x) if not isinstance(x, jax.Array) else x
       want = (self.plan.batch_size,) + tuple(spec.shape)
       if tuple(x.shape) != want or str(x.dtype) != spec.dtype:
-        raise RuntimeError_(
+        raise PipelineRuntimeError(
           f"batch leaf {name!r} is {x.dtype}{list(x.shape)}; the plan "
           f"needs {spec.dtype}{list(want)}"
         )
@@ -392,7 +394,7 @@ def _first_shard(x):
 def _default_mesh(num_devices: int) -> Mesh:
   devices = jax.devices()
   if len(devices) < num_devices:
-    raise RuntimeError_(
+    raise PipelineRuntimeError(
       f"the plan needs {num_devices} devices, JAX sees {len(devices)}: on "
       "CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
       "importing jax"
@@ -406,7 +408,7 @@ def _check_fingerprint(plan: Plan, graph: OpGraph):
   from graphpipe.costs import graph_fingerprint
 
   if plan.graph_fingerprint != graph_fingerprint(graph):
-    raise RuntimeError_(
+    raise PipelineRuntimeError(
       "this plan was made for another graph (fingerprints differ): plan "
       "the captured graph you train"
     )
