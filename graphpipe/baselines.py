@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 from graphpipe.costs import StageCosts
 from graphpipe.graph import OpGraph
-from graphpipe.planner import Partition, frontier
+from graphpipe.partition import Partition, frontier
 
 _INF = 1 << 40
 

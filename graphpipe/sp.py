@@ -33,7 +33,7 @@ own), keeping the contracted graph acyclic.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from graphpipe.errors import GraphpipeError
 from graphpipe.graph import OpGraph
@@ -192,26 +192,50 @@ def _quotient(graph: OpGraph, find) -> Dag:
   for v in range(len(graph.nodes)):
     members.setdefault(find(v), []).append(v)
   edges = _group_edges(graph, find)
-  indeg = {g: 0 for g in members}
-  succ: dict[int, list[int]] = {g: [] for g in members}
-  for a, b in edges:
-    succ[a].append(b)
-    indeg[b] += 1
-  ready = sorted((min(members[g]), g) for g in members if indeg[g] == 0)
-  order = []
-  while ready:
-    _, g = ready.pop(0)
-    order.append(g)
-    for h in succ[g]:
-      indeg[h] -= 1
-      if indeg[h] == 0:
-        ready.append((min(members[h]), h))
-        ready.sort()
+  order = topological_order(members, edges, lambda g: min(members[g]))
   index = {g: i for i, g in enumerate(order)}
   return Dag(
     tuple(tuple(members[g]) for g in order),
     tuple(sorted((index[a], index[b]) for a, b in edges)),
   )
+
+
+def topological_order(
+  vertices: Iterable[int],
+  edges: Iterable[tuple[int, int]],
+  priority: Callable[[int], int],
+) -> list[int]:
+  """Kahn's order of `vertices`: among the ready ones, lowest priority first.
+
+  Shorter than `vertices` when the edges hold a cycle (the vertices on or
+  after it never become ready).
+
+  Example:
+    >>> topological_order(range(3), [(2, 0)], priority=lambda v: v)
+    [1, 2, 0]
+
+  Args:
+    vertices: the vertex ids.
+    edges: (src, dst) pairs of vertex ids.
+    priority: breaks ties between ready vertices (then the id does).
+  """
+  vertices = list(vertices)
+  indeg = {v: 0 for v in vertices}
+  succ: dict[int, list[int]] = {v: [] for v in vertices}
+  for a, b in edges:
+    succ[a].append(b)
+    indeg[b] += 1
+  ready = sorted((priority(v), v) for v in vertices if indeg[v] == 0)
+  order = []
+  while ready:
+    _, v = ready.pop(0)
+    order.append(v)
+    for w in succ[v]:
+      indeg[w] -= 1
+      if indeg[w] == 0:
+        ready.append((priority(w), w))
+        ready.sort()
+  return order
 
 
 def decompose(dag: Dag) -> SPTree:

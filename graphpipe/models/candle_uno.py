@@ -13,16 +13,14 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
-from graphpipe.errors import GraphpipeError
 from graphpipe.models import synthetic
-from graphpipe.models.layers import MLP, check_sizes
+from graphpipe.models.layers import MLP, ZooConfig, concat_branches
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(ZooConfig):
   """Sizes of CANDLE-Uno; the defaults are the paper config.
 
   Example:
@@ -44,14 +42,6 @@ class Config:
   in_features: int = 1024
   hidden: int = 4096
   head_layers: int = 3
-
-  def __post_init__(self):
-    check_sizes(self)
-
-  @classmethod
-  def paper(cls) -> "Config":
-    """7 branches x 4 layers of 4096, head of 3 layers of 4096."""
-    return cls()
 
   @classmethod
   def tiny(cls) -> "Config":
@@ -87,15 +77,7 @@ class Model(nnx.Module):
     self.head = MLP(head_sizes, activate_last=False, rngs=rngs)
 
   def __call__(self, inputs: Sequence[jax.Array]) -> jax.Array:
-    if len(inputs) != len(self.branches):
-      raise GraphpipeError(
-        f"the model has {len(self.branches)} branches but got "
-        f"{len(inputs)} feature inputs"
-      )
-    features = jnp.concatenate(
-      [branch(x) for branch, x in zip(self.branches, inputs, strict=True)],
-      axis=-1,
-    )
+    features = concat_branches(self.branches, inputs, "feature")
     return self.head(features)[:, 0]
 
 
@@ -144,34 +126,4 @@ def _fields(config: Config, batch_size: int) -> dict[str, synthetic.Field]:
   return fields
 
 
-def make_batch(
-  config: Config, batch_size: int, seed: int = 0
-) -> dict[str, np.ndarray]:
-  """A deterministic synthetic batch: normal features and targets.
-
-  Example:
-    >>> make_batch(Config.tiny(), 2)["features_6"].shape
-    (2, 8)
-
-  Args:
-    config: the sizes.
-    batch_size: samples in the batch.
-    seed: the same seed gives the same batch.
-  """
-  return synthetic.sample(_fields(config, batch_size), seed)
-
-
-def abstract_batch(
-  config: Config, batch_size: int
-) -> dict[str, jax.ShapeDtypeStruct]:
-  """Shapes and dtypes of `make_batch(config, batch_size)`, without data.
-
-  Example:
-    >>> abstract_batch(Config.paper(), 128)["targets"].shape
-    (128,)
-
-  Args:
-    config: the sizes.
-    batch_size: samples in the batch.
-  """
-  return synthetic.abstract(_fields(config, batch_size))
+make_batch, abstract_batch = synthetic.batch_functions(_fields)

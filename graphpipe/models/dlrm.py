@@ -20,11 +20,11 @@ from flax import nnx
 
 from graphpipe.errors import GraphpipeError
 from graphpipe.models import synthetic
-from graphpipe.models.layers import MLP, check_sizes
+from graphpipe.models.layers import MLP, ZooConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(ZooConfig):
   """Sizes of DLRM; the defaults are the paper config.
 
   Example:
@@ -53,14 +53,6 @@ class Config:
   embedding_dim: int = 64
   bag_size: int = 100
   top_layers: int = 3
-
-  def __post_init__(self):
-    check_sizes(self)
-
-  @classmethod
-  def paper(cls) -> "Config":
-    """7 dense branches x 4 layers of 4096; 7 bags over 1M x 64 tables."""
-    return cls()
 
   @classmethod
   def tiny(cls) -> "Config":
@@ -213,34 +205,4 @@ def _fields(config: Config, batch_size: int) -> dict[str, synthetic.Field]:
   return fields
 
 
-def make_batch(
-  config: Config, batch_size: int, seed: int = 0
-) -> dict[str, np.ndarray]:
-  """A deterministic synthetic batch: normal features, uniform indices.
-
-  Example:
-    >>> make_batch(Config.tiny(), 2)["sparse_0"].dtype
-    dtype('int32')
-
-  Args:
-    config: the sizes.
-    batch_size: samples in the batch.
-    seed: the same seed gives the same batch.
-  """
-  return synthetic.sample(_fields(config, batch_size), seed)
-
-
-def abstract_batch(
-  config: Config, batch_size: int
-) -> dict[str, jax.ShapeDtypeStruct]:
-  """Shapes and dtypes of `make_batch(config, batch_size)`, without data.
-
-  Example:
-    >>> abstract_batch(Config.paper(), 128)["sparse_0"].shape
-    (128, 100)
-
-  Args:
-    config: the sizes.
-    batch_size: samples in the batch.
-  """
-  return synthetic.abstract(_fields(config, batch_size))
+make_batch, abstract_batch = synthetic.batch_functions(_fields)

@@ -1,13 +1,14 @@
-"""Building blocks of the model zoo: feed-forward and transformer layers.
+"""Building blocks of the model zoo: configs, MLPs and transformer layers.
 
-Every class here is an NNX module whose `__call__` calls its child modules
+Every layer here is an NNX module whose `__call__` calls its child modules
 one after another, so that `graphpipe.capture` (which groups equations by the
 path of the module whose `__call__` produced them) sees one node per layer at
-the depth the zoo registers.
+the depth the zoo registers. `ZooConfig` is the base of every zoo `Config`.
 """
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import Self
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,46 @@ def check_sizes(config) -> None:
       raise GraphpipeError(
         f"{owner}.{type(config).__name__}.{field.name} must be a positive "
         f"int, got {value!r}"
+      )
+
+
+class ZooConfig:
+  """Base of the zoo's frozen `Config` dataclasses: checked sizes, `paper()`.
+
+  Every field is a size and must be a positive int (`check_sizes`); the
+  field defaults are the paper's configuration.
+
+  Example:
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class Config(ZooConfig):
+    ...   num_layers: int = 4
+    >>> Config.paper().num_layers
+    4
+  """
+
+  def __post_init__(self):
+    check_sizes(self)
+
+  @classmethod
+  def paper(cls) -> Self:
+    """The evaluation configuration: every field at its default."""
+    return cls()
+
+
+class TransformerConfig(ZooConfig):
+  """A `ZooConfig` with `hidden` and `num_heads`; the heads divide the width.
+
+  Example:
+    `mmt.Config(hidden=30, num_heads=4)` raises "hidden=30 is not divisible
+    by num_heads=4; ...".
+  """
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.hidden % self.num_heads:
+      raise GraphpipeError(
+        f"hidden={self.hidden} is not divisible by num_heads="
+        f"{self.num_heads}; pick a head count that divides the width"
       )
 
 
@@ -101,6 +142,33 @@ def apply_in_sequence(layers: Iterable[nnx.Module], x: jax.Array) -> jax.Array:
   for layer in layers:
     x = layer(x)
   return x
+
+
+def concat_branches(
+  branches: Sequence[nnx.Module], inputs: Sequence[jax.Array], kind: str
+) -> jax.Array:
+  """Each branch on its own input, in order, concatenated along features.
+
+  Example:
+    >>> concat_branches(model.branches, [x0, x1], "feature").shape
+
+  Args:
+    branches: the branch modules.
+    inputs: one input per branch.
+    kind: what the inputs are, for the error message ('modality', ...).
+
+  Raises:
+    GraphpipeError: the counts of branches and inputs differ.
+  """
+  if len(inputs) != len(branches):
+    raise GraphpipeError(
+      f"the model has {len(branches)} branches but got "
+      f"{len(inputs)} {kind} inputs"
+    )
+  return jnp.concatenate(
+    [branch(x) for branch, x in zip(branches, inputs, strict=True)],
+    axis=-1,
+  )
 
 
 class MLP(nnx.Module):

@@ -16,18 +16,20 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 
-from graphpipe.errors import GraphpipeError
 from graphpipe.models import synthetic
-from graphpipe.models.layers import TransformerStack, check_sizes
+from graphpipe.models.layers import (
+  TransformerConfig,
+  TransformerStack,
+  concat_branches,
+)
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(TransformerConfig):
   """Sizes of a multi-branch transformer; the defaults are the paper's MMT.
 
   Example:
@@ -51,19 +53,6 @@ class Config:
   num_heads: int = 16
   ffn: int = 4096
   num_classes: int = 1000
-
-  def __post_init__(self):
-    check_sizes(self)
-    if self.hidden % self.num_heads:
-      raise GraphpipeError(
-        f"hidden={self.hidden} is not divisible by num_heads="
-        f"{self.num_heads}; pick a head count that divides the width"
-      )
-
-  @classmethod
-  def paper(cls) -> "Config":
-    """The evaluation configuration: 4 branches x 8 layers, hidden 1024."""
-    return cls()
 
   @classmethod
   def tiny(cls) -> "Config":
@@ -106,15 +95,7 @@ class Model(nnx.Module):
     )
 
   def __call__(self, inputs: Sequence[jax.Array]) -> jax.Array:
-    if len(inputs) != len(self.branches):
-      raise GraphpipeError(
-        f"the model has {len(self.branches)} branches but got "
-        f"{len(inputs)} modality inputs"
-      )
-    features = jnp.concatenate(
-      [branch(x) for branch, x in zip(self.branches, inputs, strict=True)],
-      axis=-1,
-    )
+    features = concat_branches(self.branches, inputs, "modality")
     return self.classifier(features.mean(axis=1))
 
 
@@ -167,34 +148,4 @@ def _fields(config: Config, batch_size: int) -> dict[str, synthetic.Field]:
   return fields
 
 
-def make_batch(
-  config: Config, batch_size: int, seed: int = 0
-) -> dict[str, np.ndarray]:
-  """A deterministic synthetic batch: normal features, uniform labels.
-
-  Example:
-    >>> make_batch(Config.tiny(), 2)["modality_0"].shape
-    (2, 8, 16)
-
-  Args:
-    config: the sizes.
-    batch_size: samples in the batch.
-    seed: the same seed gives the same batch.
-  """
-  return synthetic.sample(_fields(config, batch_size), seed)
-
-
-def abstract_batch(
-  config: Config, batch_size: int
-) -> dict[str, jax.ShapeDtypeStruct]:
-  """Shapes and dtypes of `make_batch(config, batch_size)`, without data.
-
-  Example:
-    >>> abstract_batch(Config.paper(), 64)["labels"].shape
-    (64,)
-
-  Args:
-    config: the sizes.
-    batch_size: samples in the batch.
-  """
-  return synthetic.abstract(_fields(config, batch_size))
+make_batch, abstract_batch = synthetic.batch_functions(_fields)

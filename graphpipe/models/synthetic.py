@@ -2,10 +2,12 @@
 
 Each model describes its batch once, as a dict of `Field`s; `sample` fills
 it with deterministic random data and `abstract` gives the matching
-`jax.ShapeDtypeStruct`s, so the two can never disagree.
+`jax.ShapeDtypeStruct`s, so the two can never disagree. `batch_functions`
+turns a model's description into its `make_batch` and `abstract_batch`.
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -78,3 +80,52 @@ def abstract(fields: dict[str, Field]) -> dict[str, jax.ShapeDtypeStruct]:
     name: jax.ShapeDtypeStruct(field.shape, np.dtype(field.dtype))
     for name, field in fields.items()
   }
+
+
+def batch_functions(
+  fields: Callable[..., dict[str, Field]],
+) -> tuple[Callable, Callable]:
+  """A zoo model's `make_batch` and `abstract_batch`, from its batch spec.
+
+  Example:
+    >>> make_batch, abstract_batch = batch_functions(
+    ...   lambda config, batch_size: {"x": Field((batch_size, 3))})
+    >>> make_batch(None, 2)["x"].shape, abstract_batch(None, 2)["x"].shape
+    ((2, 3), (2, 3))
+
+  Args:
+    fields: `fields(config, batch_size)`, the model's batch description.
+  """
+
+  def make_batch(
+    config, batch_size: int, seed: int = 0
+  ) -> dict[str, np.ndarray]:
+    """A deterministic synthetic batch of `batch_size` samples for `config`.
+
+    Floats are standard normal, integers (labels, indices) uniform in their
+    range; the keys and shapes are those `loss_fn` reads.
+
+    Args:
+      config: the model's sizes.
+      batch_size: samples in the batch.
+      seed: the same seed gives the same batch.
+    """
+    return sample(fields(config, batch_size), seed)
+
+  def abstract_batch(
+    config, batch_size: int
+  ) -> dict[str, jax.ShapeDtypeStruct]:
+    """Shapes and dtypes of `make_batch(config, batch_size)`, without data.
+
+    Args:
+      config: the model's sizes.
+      batch_size: samples in the batch.
+    """
+    return abstract(fields(config, batch_size))
+
+  # The model module binds them to these names: they read (and pickle) as
+  # its own functions.
+  for function in (make_batch, abstract_batch):
+    function.__module__ = fields.__module__
+    function.__qualname__ = function.__name__
+  return make_batch, abstract_batch

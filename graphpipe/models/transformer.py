@@ -14,13 +14,12 @@ import numpy as np
 import optax
 from flax import nnx
 
-from graphpipe.errors import GraphpipeError
 from graphpipe.models import synthetic
-from graphpipe.models.layers import TransformerStack, check_sizes
+from graphpipe.models.layers import TransformerConfig, TransformerStack
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(TransformerConfig):
   """Sizes of the sequential transformer; the defaults are the paper config.
 
   16 layers is our choice (the paper's sequential control has the MMT layer
@@ -45,19 +44,6 @@ class Config:
   num_heads: int = 16
   ffn: int = 4096
   num_classes: int = 1000
-
-  def __post_init__(self):
-    check_sizes(self)
-    if self.hidden % self.num_heads:
-      raise GraphpipeError(
-        f"hidden={self.hidden} is not divisible by num_heads="
-        f"{self.num_heads}; pick a head count that divides the width"
-      )
-
-  @classmethod
-  def paper(cls) -> "Config":
-    """16 layers, seq 256, hidden 1024, 16 heads, FFN 4096."""
-    return cls()
 
   @classmethod
   def tiny(cls) -> "Config":
@@ -122,34 +108,4 @@ def _fields(config: Config, batch_size: int) -> dict[str, synthetic.Field]:
   }
 
 
-def make_batch(
-  config: Config, batch_size: int, seed: int = 0
-) -> dict[str, np.ndarray]:
-  """A deterministic synthetic batch: normal tokens, uniform labels.
-
-  Example:
-    >>> make_batch(Config.tiny(), 2)["tokens"].shape
-    (2, 8, 16)
-
-  Args:
-    config: the sizes.
-    batch_size: samples in the batch.
-    seed: the same seed gives the same batch.
-  """
-  return synthetic.sample(_fields(config, batch_size), seed)
-
-
-def abstract_batch(
-  config: Config, batch_size: int
-) -> dict[str, jax.ShapeDtypeStruct]:
-  """Shapes and dtypes of `make_batch(config, batch_size)`, without data.
-
-  Example:
-    >>> abstract_batch(Config.paper(), 64)["tokens"].shape
-    (64, 256, 1024)
-
-  Args:
-    config: the sizes.
-    batch_size: samples in the batch.
-  """
-  return synthetic.abstract(_fields(config, batch_size))
+make_batch, abstract_batch = synthetic.batch_functions(_fields)

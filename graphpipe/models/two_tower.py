@@ -20,14 +20,14 @@ from flax import nnx
 
 from graphpipe.models import synthetic
 from graphpipe.models.layers import (
+  ZooConfig,
   apply_in_sequence,
-  check_sizes,
   feed_forward_layers,
 )
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(ZooConfig):
   """Sizes of the two-tower model; the defaults are the paper-scale config.
 
   Example:
@@ -45,14 +45,6 @@ class Config:
   hidden: int = 4096
   tower_layers: int = 4
   num_classes: int = 1000
-
-  def __post_init__(self):
-    check_sizes(self)
-
-  @classmethod
-  def paper(cls) -> "Config":
-    """Towers of 4 layers of 4096 over a 1024-wide input."""
-    return cls()
 
   @classmethod
   def tiny(cls) -> "Config":
@@ -163,34 +155,4 @@ def _fields(config: Config, batch_size: int) -> dict[str, synthetic.Field]:
   }
 
 
-def make_batch(
-  config: Config, batch_size: int, seed: int = 0
-) -> dict[str, np.ndarray]:
-  """A deterministic synthetic batch: normal x and targets, uniform labels.
-
-  Example:
-    >>> make_batch(Config.tiny(), 2)["x"].shape
-    (2, 8)
-
-  Args:
-    config: the sizes.
-    batch_size: samples in the batch.
-    seed: the same seed gives the same batch.
-  """
-  return synthetic.sample(_fields(config, batch_size), seed)
-
-
-def abstract_batch(
-  config: Config, batch_size: int
-) -> dict[str, jax.ShapeDtypeStruct]:
-  """Shapes and dtypes of `make_batch(config, batch_size)`, without data.
-
-  Example:
-    >>> abstract_batch(Config.paper(), 128)["x"].shape
-    (128, 1024)
-
-  Args:
-    config: the sizes.
-    batch_size: samples in the batch.
-  """
-  return synthetic.abstract(_fields(config, batch_size))
+make_batch, abstract_batch = synthetic.batch_functions(_fields)

@@ -1,0 +1,223 @@
+"""From a partition to a `Plan`: spare devices, placement, stage edges.
+
+  part = spend_spare_devices(graph, part, costs)  # unused devices, if useful
+  p = assemble(graph, part, costs, "graphpipe")  # place, order, in-flight
+
+`assemble` places stages on devices (`place_devices`), derives the stage
+edges from the operator edges, numbers the stages in a topological order
+and gives each its in-flight count under the partition's schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from graphpipe import sp
+from graphpipe.graph import OpGraph
+from graphpipe.partition import Partition, PlanError
+from graphpipe.plan import CostModel, Plan, Stage, in_flight_counts
+from graphpipe.stage_costs import StageCosts
+
+
+def spend_spare_devices(
+  graph: OpGraph, part: Partition, costs: StageCosts
+) -> Partition:
+  """Gives unused devices to the stages where they shorten the iteration.
+
+  The planners give each stage the fewest devices that meet the target
+  bottleneck; devices left over may still speed up the bottleneck (a
+  shorter period) or other stages on the critical path (a shorter warm-up
+  and drain, which matters when there are few micro-batches). Greedily,
+  one stage at a time, the next device count that divides the micro-batch
+  goes where it cuts a quick estimate of the iteration,
+
+    (m - 1) * slowest stage + longest path of stage times + slowest sync,
+
+  while it does.
+
+  Example:
+    >>> spend_spare_devices(graph, partition, costs).stages
+
+  Args:
+    graph: the operator graph.
+    part: a partition that may leave devices unused.
+    costs: the stage costs it was made with.
+  """
+  b = part.micro_batch_size
+  m = costs.batch_size // b
+  counts = [k for _, k in part.stages]
+  spare = costs.num_devices - sum(counts)
+  if spare <= 0:
+    return part
+  edges = _stage_edges(graph, part)
+  order = _topological(part, edges)
+  preds = {s: [a for a, t in edges if t == s] for s in order}
+
+  def estimate(ks):
+    busy = [
+      costs.microbatch_time(nodes, b, k)
+      for (nodes, _), k in zip(part.stages, ks, strict=True)
+    ]
+    path = {}
+    for s in order:
+      path[s] = busy[s] + max((path[a] for a in preds[s]), default=0.0)
+    sync = max(
+      costs.sync_time(nodes, k)
+      for (nodes, _), k in zip(part.stages, ks, strict=True)
+    )
+    return (m - 1) * max(busy) + max(path.values()) + sync
+
+  current = estimate(counts)
+  while spare > 0:
+    best = None
+    for i, k in enumerate(counts):
+      more = next(
+        (k2 for k2 in range(k + 1, k + spare + 1) if b % k2 == 0), None
+      )
+      if more is None:
+        continue
+      trial = counts[:i] + [more] + counts[i + 1 :]
+      time_taken = estimate(trial)
+      if time_taken < current and (best is None or time_taken < best[0]):
+        best = (time_taken, i, more)
+    if best is None:
+      break
+    current, i, more = best
+    spare -= more - counts[i]
+    counts[i] = more
+  stages = tuple(
+    (nodes, k) for (nodes, _), k in zip(part.stages, counts, strict=True)
+  )
+  return dataclasses.replace(part, stages=stages)
+
+
+def assemble(
+  graph: OpGraph,
+  part: Partition,
+  costs: StageCosts,
+  planner: str,
+  fingerprint: str = "",
+) -> Plan:
+  """The `Plan` of a partition: devices, stage edges, order, in-flight.
+
+  Devices: see `place_devices`. Stage edges follow operator edges (plus
+  consecutive pairs for a chain); stages are numbered in a topological
+  order (ties: smallest node id first).
+
+  Example:
+    >>> p = assemble(graph, partition, costs, "graphpipe")
+    >>> p.depth, [s.in_flight for s in p.stages]
+
+  Args:
+    graph: the operator graph.
+    part: stages and device counts.
+    costs: the stage costs (for the bottleneck estimate).
+    planner: the planner's name, recorded in the plan.
+    fingerprint: `graph_fingerprint(graph)`.
+  """
+  devices = place_devices(graph, part, costs.cost_model, costs.num_devices)
+  edges = _stage_edges(graph, part)
+  order = _topological(part, edges)
+  rank = {s: i for i, s in enumerate(order)}
+  stage_edges = tuple(sorted((rank[a], rank[b]) for a, b in edges))
+  b = part.micro_batch_size
+  if part.schedule == "gpipe":
+    in_flight = [costs.batch_size // b] * len(order)
+  else:
+    in_flight = in_flight_counts(len(order), stage_edges)
+  stages = tuple(
+    Stage(
+      id=i,
+      nodes=tuple(sorted(part.stages[s][0])),
+      devices=devices[s],
+      micro_batch_size=b,
+      in_flight=in_flight[i],
+    )
+    for i, s in enumerate(order)
+  )
+  bottleneck = max(
+    costs.time_per_sample(s.nodes, b, len(s.devices)) for s in stages
+  )
+  return Plan(
+    planner=planner,
+    stages=stages,
+    stage_edges=stage_edges,
+    batch_size=costs.batch_size,
+    num_devices=costs.num_devices,
+    schedule=part.schedule,
+    bottleneck_time_per_sample=bottleneck,
+    graph_fingerprint=fingerprint,
+  )
+
+
+def place_devices(
+  graph: OpGraph, part: Partition, cost_model: CostModel, num_devices: int
+) -> list[tuple[int, ...]]:
+  """Device blocks for the stages of a partition.
+
+  Data-parallel stages go first, largest first, each to the free block
+  where its gradient all-reduce is fastest (inside one node when it fits:
+  with power-of-two sizes this never straddles a node boundary, which the
+  planners' stage costs assume). Single-device stages then fill the free
+  devices in the partition's order, so that neighbouring stages of a
+  branch sit next to each other.
+
+  Example:
+    >>> place_devices(graph, partition, cost_model, 8)
+    [(4, 5, 6, 7), (0,), (1,), (2,), (3,)]
+
+  Args:
+    graph: the operator graph (for parameter bytes).
+    part: stages and device counts.
+    cost_model: prices the all-reduces.
+    num_devices: devices available, 0..num_devices - 1.
+  """
+  free = [True] * num_devices
+  devices: list[tuple[int, ...]] = [()] * len(part.stages)
+  by_size = sorted(range(len(part.stages)), key=lambda i: -part.stages[i][1])
+  for i in by_size:
+    nodes, k = part.stages[i]
+    params = sum(graph.nodes[n].param_bytes for n in nodes)
+    starts = [s for s in range(num_devices - k + 1) if all(free[s : s + k])]
+    if not starts:  # fragmented by sizes that are not powers of two
+      devices[i] = tuple([d for d in range(num_devices) if free[d]][:k])
+    elif k > 1:
+      start = min(
+        starts,
+        key=lambda s: (cost_model.allreduce_time(params, range(s, s + k)), s),
+      )
+      devices[i] = tuple(range(start, start + k))
+    else:
+      devices[i] = (starts[0],)
+    for d in devices[i]:
+      free[d] = False
+  return devices
+
+
+def _stage_edges(graph: OpGraph, part: Partition) -> set[tuple[int, int]]:
+  """(stage, stage) pairs, as indices of `part.stages`, that need an edge.
+
+  Operator edges across stages, plus consecutive pairs for a chain.
+  """
+  owner = {n: i for i, (nodes, _) in enumerate(part.stages) for n in nodes}
+  edges = {
+    (owner[e.src], owner[e.dst])
+    for e in graph.edges
+    if owner[e.src] != owner[e.dst]
+  }
+  if part.chain:
+    edges |= {(i, i + 1) for i in range(len(part.stages) - 1)}
+  return edges
+
+
+def _topological(part: Partition, edges) -> list[int]:
+  """Stage indices in a topological order, smallest node id first."""
+  first = [min(nodes) for nodes, _ in part.stages]
+  order = sp.topological_order(
+    range(len(part.stages)), edges, lambda i: first[i]
+  )
+  if len(order) != len(part.stages):
+    raise PlanError(
+      "the stages form a cycle (internal error: a stage is not convex)"
+    )
+  return order

@@ -1,0 +1,273 @@
+"""The memoised DP of the GraphPipe partitioner, for one target time.
+
+For a target bottleneck time per sample t, `DPSolver.g(X, D, d)` is the
+fewest devices that split sub-tree X into stages within t, with at most D
+stages on any path and d stages after X (the recurrence is written out in
+`graphpipe.partitioner`'s docstring); `feasible` and `solve` are what
+`graphpipe.partition.frontier` searches with.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+  from graphpipe.partitioner import GraphPipePartitioner
+
+_INF = 1 << 40
+
+
+class DPSolver:
+  """feasible(t) of `graphpipe.partitioner`, with the stages it chose.
+
+  Memo tables hold for one target; asking for another target clears them.
+
+  Example:
+    >>> solver = DPSolver(partitioner, options)
+    >>> solver.feasible(target, max_depth=8)
+    True
+    >>> depth, stages = solver.solve(target, max_depth=8)
+
+  Args:
+    dp: the partitioner whose flattened tree and candidate stages to use.
+    options: per candidate stage (`dp.base_nodes`), the (device count,
+      time per sample, in-flight capacity) triples that fit memory, device
+      counts rising.
+  """
+
+  def __init__(self, dp: GraphPipePartitioner, options):
+    self.dp = dp
+    self.options = options
+    self.num_devices = dp.costs.num_devices
+    self.target = None
+
+  def _retarget(self, target: float) -> None:
+    if target != self.target:
+      self.target = target
+      self.base_memo: dict[tuple[int, int], int] = {}
+      self.memo: dict[tuple, tuple[int, tuple]] = {}
+
+  def feasible(self, target: float, max_depth: int) -> bool:
+    """Whether stages within t and max_depth fit the devices."""
+    self._retarget(target)
+    return self.g(self.dp.root, max_depth, 0)[0] <= self.num_devices
+
+  def solve(self, target: float, max_depth: int):
+    """(depth, stages) of the shallowest feasible plan within max_depth."""
+    self._retarget(target)
+    root = self.dp.root
+    low, high = 1, max_depth
+    while low < high:
+      middle = (low + high) // 2
+      if self.g(root, middle, 0)[0] <= self.num_devices:
+        high = middle
+      else:
+        low = middle + 1
+    stages = []
+    self._collect(root, low, 0, stages)
+    return low, stages
+
+  def base(self, base_id: int, in_flight: int) -> int:
+    """Fewest devices for one stage (time and memory), or _INF."""
+    key = (base_id, in_flight)
+    found = self.base_memo.get(key)
+    if found is None:
+      found = _INF
+      for k, tps, cap in self.options[base_id]:
+        if tps <= self.target and cap >= in_flight:
+          found = k
+          break
+      self.base_memo[key] = found
+    return found
+
+  def g(self, x: int, depth: int, after: int) -> tuple[int, tuple]:
+    depth = min(depth, self.dp.depth[x])
+    kind = self.dp.kind[x]
+    if kind == "leaf":
+      k = self.base(self.dp.leaf_base[x], after + 1)
+      return k, ("base", self.dp.leaf_base[x], k)
+    if kind == "series":
+      return self.series(x, len(self.dp.children[x]) - 1, depth, after)
+    return self.parallel(x, depth, after)
+
+  def series(self, x: int, j: int, depth: int, after: int):
+    """Children 0..j of series node x (the DP runs from the sink back)."""
+    if j < 0:
+      return 0, None
+    depth = min(depth, self.dp.prefix_depth[x][j])
+    key = ("s", x, j, depth, after)
+    if key in self.memo:
+      return self.memo[key]
+    best, choice = _INF, None
+    for s in range(j, -1, -1):
+      base_id = self.dp.range_base[(x, s, j)]
+      k = self.base(base_id, after + 1)
+      if k >= _INF:
+        if self.base(base_id, 1) >= _INF:
+          break  # longer ranges only get slower and larger
+        continue
+      if s == 0:
+        total = k
+      elif depth >= 2:
+        total = k + self.series(x, s - 1, depth - 1, after + 1)[0]
+      else:
+        continue
+      if total < best:
+        best, choice = total, ("stage", s, base_id, k)
+      if depth >= 2:
+        for i, c, absorb_id, k2 in self._absorbing(x, s, j, after):
+          rest = self.trimmed(x, s - 1, i, c, depth - 1, after + 1)[0]
+          if k2 + rest < best:
+            best, choice = k2 + rest, ("absorb", s, i, c, absorb_id, k2)
+    child = self.dp.children[x][j]
+    if self.dp.kind[child] != "leaf":
+      top = min(depth, self.dp.depth[child])
+      for inner in range(top, 0, -1) if j > 0 else (top,):
+        own = self.g(child, inner, after)[0]
+        if own >= _INF:
+          break  # less depth for the child cannot help
+        if j == 0:
+          total = own
+        elif depth - inner >= 1:
+          total = own + self.series(x, j - 1, depth - inner, after + inner)[0]
+        else:
+          continue
+        if total < best:
+          best, choice = total, ("child", inner)
+    self.memo[key] = (best, choice)
+    return best, choice
+
+  def _absorbing(self, x: int, s: int, j: int, after: int):
+    """Feasible stages of children s..j plus one branch tail before s."""
+    options = self.dp.absorb_base.get((x, s, j), ())
+    last_branch, skip = None, False
+    for i, c, absorb_id in options:
+      if i != last_branch:
+        last_branch, skip = i, False
+      if skip:
+        continue
+      k = self.base(absorb_id, after + 1)
+      if k >= _INF:
+        skip = self.base(absorb_id, 1) >= _INF  # longer tails: no better
+        continue
+      yield i, c, absorb_id, k
+
+  def trimmed(self, x, p, i, c, depth, after):
+    """Children 0..p of series x, child p (parallel) cut to branch i's
+    first c children (the rest of branch i sits in the next stage)."""
+    key = ("t", x, p, i, c, depth, after)
+    if key in self.memo:
+      return self.memo[key]
+    par = self.dp.children[x][p]
+    best, choice = _INF, None
+    for inner in range(min(depth, self.dp.depth[par]), 0, -1):
+      own = self.parallel(par, inner, after, (i, c))[0]
+      if own >= _INF:
+        break
+      if p == 0:
+        best, choice = own, inner
+        break
+      if depth - inner >= 1:
+        total = own + self.series(x, p - 1, depth - inner, after + inner)[0]
+        if total < best:
+          best, choice = total, inner
+    self.memo[key] = (best, choice)
+    return best, choice
+
+  def parallel(self, x: int, depth: int, after: int, trim=None):
+    """Branches of parallel node x, neighbours possibly sharing a stage.
+
+    trim = (i, c): branch i keeps only its first c children.
+    """
+    key = ("p", x, depth, after, trim)
+    if key in self.memo:
+      return self.memo[key]
+    kids = self.dp.children[x]
+    cover = [0] + [_INF] * len(kids)
+    back: list[tuple | None] = [None] * (len(kids) + 1)
+    for i, kid in enumerate(kids):
+      if trim is not None and trim[0] == i:
+        own = self._head(kid, trim[1], depth, after)
+      else:
+        own = self.g(kid, depth, after)[0]
+      if cover[i] + own < cover[i + 1]:
+        cover[i + 1], back[i + 1] = cover[i] + own, ("branch", i)
+      for s in range(i - 1, -1, -1):
+        if trim is not None and s <= trim[0] <= i:
+          break  # a cut branch cannot share a stage with its neighbours
+        base_id = self.dp.range_base[(x, s, i)]
+        k = self.base(base_id, after + 1)
+        if k >= _INF:
+          if self.base(base_id, 1) >= _INF:
+            break
+          continue
+        if cover[s] + k < cover[i + 1]:
+          cover[i + 1], back[i + 1] = cover[s] + k, ("group", s, base_id, k)
+    result = (cover[-1], tuple(back))
+    self.memo[key] = result
+    return result
+
+  def _head(self, branch: int, cut: int, depth: int, after: int) -> int:
+    """Devices for the first `cut` children of a branch (0 if none)."""
+    if cut == 0:
+      return 0
+    return self.series(branch, cut - 1, depth, after)[0]
+
+  def _collect(self, x: int, depth: int, after: int, out: list) -> None:
+    """Appends the stages of g(x, depth, after) to `out` (tree order)."""
+    depth = min(depth, self.dp.depth[x])
+    kind = self.dp.kind[x]
+    if kind == "leaf":
+      _, (_, base_id, k) = self.g(x, depth, after)
+      out.append((self.dp.base_nodes[base_id], k))
+    elif kind == "series":
+      self._collect_series(x, len(self.dp.children[x]) - 1, depth, after, out)
+    else:
+      self._collect_parallel(x, depth, after, None, out)
+
+  def _collect_parallel(self, x, depth, after, trim, out) -> None:
+    _, back = self.parallel(x, depth, after, trim)
+    kids = self.dp.children[x]
+    parts = []
+    i = len(kids)
+    while i > 0:
+      step = back[i]
+      if step[0] == "branch":
+        parts.append(("branch", i - 1))
+        i -= 1
+      else:
+        parts.append(("group", step[2], step[3]))
+        i = step[1]
+    for part in reversed(parts):
+      if part[0] == "group":
+        out.append((self.dp.base_nodes[part[1]], part[2]))
+      elif trim is not None and part[1] == trim[0]:
+        if trim[1] > 0:
+          self._collect_series(kids[part[1]], trim[1] - 1, depth, after, out)
+      else:
+        self._collect(kids[part[1]], depth, after, out)
+
+  def _collect_series(self, x, j, depth, after, out) -> None:
+    depth = min(depth, self.dp.prefix_depth[x][j])
+    _, choice = self.series(x, j, depth, after)
+    if choice[0] == "stage":
+      _, s, base_id, k = choice
+      if s > 0:
+        self._collect_series(x, s - 1, depth - 1, after + 1, out)
+      out.append((self.dp.base_nodes[base_id], k))
+    elif choice[0] == "absorb":
+      _, s, i, c, absorb_id, k = choice
+      self._collect_trimmed(x, s - 1, i, c, depth - 1, after + 1, out)
+      out.append((self.dp.base_nodes[absorb_id], k))
+    else:
+      inner = choice[1]
+      if j > 0:
+        self._collect_series(x, j - 1, depth - inner, after + inner, out)
+      self._collect(self.dp.children[x][j], inner, after, out)
+
+  def _collect_trimmed(self, x, p, i, c, depth, after, out) -> None:
+    _, inner = self.trimmed(x, p, i, c, depth, after)
+    if p > 0:
+      self._collect_series(x, p - 1, depth - inner, after + inner, out)
+    par = self.dp.children[x][p]
+    self._collect_parallel(par, inner, after, (i, c), out)

@@ -1,0 +1,31 @@
+"""`graph_fingerprint`: a short hash that ties plans and profiles to a graph."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+from graphpipe.graph import OpGraph
+
+
+def graph_fingerprint(graph: OpGraph) -> str:
+  """A short hash of a graph's structure and costs (not its program).
+
+  Plans and profiles record it so that they are never reused for another
+  graph.
+
+  Example:
+    >>> graph_fingerprint(graph)
+    'a3f9c1d2e4b5f607'
+
+  Args:
+    graph: the operator graph.
+  """
+  data = {
+    "nodes": [dataclasses.asdict(n) for n in graph.nodes],
+    "edges": [dataclasses.asdict(e) for e in graph.edges],
+    "loss_nodes": list(graph.loss_nodes),
+  }
+  text = json.dumps(data, sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,198 @@
+"""The GraphPipe partitioner: a DP over the series-parallel tree.
+
+  merge glue nodes with one input that do no work into it  (sp.contract)
+  tree = series-parallel decomposition of the graph         (sp.decompose)
+  for each micro-batch size b:
+    binary search the smallest target t among the candidate stages' times
+    per sample such that feasible(t), where feasible asks the memoised DP
+      g(X, D, d) = fewest devices that split sub-graph X into stages of
+        time per sample <= t, with at most D stages on any path, when d
+        stages follow X (so a stage of X holds 1 + d + (stages after it
+        in X) micro-batches in flight, which memory must allow):
+      base     X as one data-parallel stage on the fewest devices k | b
+      series   X = X1 ; X2: the last stage covers children s..j whole
+               (optionally with the tail of one branch of a parallel child
+               just before s: how a join shares a stage with the last
+               layers of one branch), or the last child is split on its
+               own (depth D2) and the rest gets D - D2, d + D2 after it
+      parallel X = X1 | X2 | ...: branches pipeline concurrently with the
+               same D and d (a shared source thus takes the max in-flight
+               count); neighbouring branches may share one stage
+    and the smallest D with g(root, D, 0) <= num_devices.
+
+Parallel branches are ordered by work, so that grouping neighbours groups
+similar branches. This module flattens the tree into candidate stages and
+runs the searches (`graphpipe.partition.frontier`); the DP itself is
+`graphpipe.dp_solver.DPSolver`.
+"""
+
+from __future__ import annotations
+
+from graphpipe import sp
+from graphpipe.dp_solver import DPSolver
+from graphpipe.graph import OpGraph
+from graphpipe.partition import Partition, frontier
+from graphpipe.stage_costs import StageCosts
+
+# A glue node is merged into a neighbour when it does under 1% of an average
+# node's FLOPs and its weights (with gradients and Adam state) take under
+# 1% of a device: it cannot be worth a device of its own.
+_LIGHT_SHARE = 0.01
+
+
+def light_nodes(graph: OpGraph, memory_bytes: float) -> list[int]:
+  """Glue nodes too small to deserve a stage (merged before the DP).
+
+  Joins (several predecessors) are left alone: the DP lets a join share a
+  stage with the tail of any one branch, and chooses which.
+
+  Example:
+    >>> light_nodes(capture_zoo("dlrm", "paper"), 16e9)   # the loss
+    [38]
+
+  Args:
+    graph: the operator graph.
+    memory_bytes: the per-device budget.
+  """
+  work = [n.fwd_flops + n.bwd_flops for n in graph.nodes]
+  mean_work = sum(work) / len(work)
+  saved = [n.saved_bytes for n in graph.nodes]
+  mean_saved = sum(saved) / len(saved)
+  return [
+    n.id
+    for n in graph.nodes
+    if len(graph.predecessors(n.id)) <= 1
+    and work[n.id] <= _LIGHT_SHARE * mean_work
+    and 4 * n.param_bytes + n.state_bytes <= _LIGHT_SHARE * memory_bytes
+    and n.saved_bytes <= _LIGHT_SHARE * mean_saved
+  ]
+
+
+class GraphPipePartitioner:
+  """The GraphPipe DP over a series-parallel tree (see the module docstring).
+
+  Calling it with a micro-batch size returns partitions on the frontier of
+  bottleneck time against pipeline depth: the fastest bottleneck (and, for
+  it, the fewest in-flight micro-batches at the source), then the fastest
+  bottleneck under a few smaller depth bounds (shallower pipelines with
+  more data parallelism have shorter warm-ups); `plan` keeps the fastest.
+
+  Example:
+    >>> costs = StageCosts(graph, model, 64, 8, 16e9)
+    >>> partitions = GraphPipePartitioner(graph, costs)(4)  # b = 4
+    >>> [(nodes, k) for nodes, k in partitions[0].stages]
+
+  Args:
+    graph: the operator graph.
+    costs: stage costs for the batch, devices and memory budget.
+  """
+
+  def __init__(self, graph: OpGraph, costs: StageCosts):
+    self.costs = costs
+    merge = light_nodes(graph, costs.memory_bytes)
+    dag = sp.contract(graph, merge) if merge else sp.Dag.of(graph)
+    self.tree = sp.decompose(dag)
+    self._build(dag)
+
+  def _build(self, dag: sp.Dag) -> None:
+    """Flattens the tree into arrays; numbers every candidate stage.
+
+    Candidate stages: a leaf; a range of a series node's children; a range
+    of (two or more) neighbouring branches of a parallel node; and, after a
+    parallel node inside a series, a range of the following children that
+    also absorbs the tail of one branch (how a join shares a stage with the
+    last layers of one branch instead of needing a device of its own).
+    """
+    work = [n.fwd_flops + n.bwd_flops for n in self.costs.graph.nodes]
+    self.kind, self.children, self.depth = [], [], []
+    self.base_nodes: list[tuple[int, ...]] = []
+    self.leaf_base: dict[int, int] = {}
+    self.range_base: dict[tuple[int, int, int], int] = {}
+    # (series x, first child s, last child j) -> [(branch i, cut c, base)]
+    self.absorb_base: dict[tuple[int, int, int], list] = {}
+    self.prefix_depth: dict[int, list[int]] = {}
+    self.nodes: list[tuple[int, ...]] = []
+
+    def add(tree) -> int:
+      x = len(self.kind)
+      self.kind.append(tree.kind)
+      self.children.append([])
+      self.depth.append(tree.depth)
+      self.nodes.append(
+        tuple(sorted(n for v in tree.vertices for n in dag.groups[v]))
+      )
+      kids = list(tree.children)
+      ids = [add(c) for c in kids]
+      if tree.kind == "parallel":
+        ids.sort(key=lambda c: -sum(work[n] for n in self.nodes[c]))
+      self.children[x] = ids
+      if tree.kind == "leaf":
+        self.leaf_base[x] = self._new_base(self.nodes[x])
+        return x
+      for j in range(len(ids)):
+        for s in range(j + 1):
+          if tree.kind == "parallel" and s == j:
+            continue  # a lone branch is covered by its own sub-problem
+          self.range_base[(x, s, j)] = self._new_base(
+            self._union(ids[s : j + 1])
+          )
+      if tree.kind == "series":
+        self.prefix_depth[x] = list(_running_sum([self.depth[c] for c in ids]))
+        self._absorbing_stages(x, ids)
+      return x
+
+    self.root = add(self.tree)
+
+  def _absorbing_stages(self, x: int, ids: list[int]) -> None:
+    for p, par in enumerate(ids[:-1]):
+      if self.kind[par] != "parallel":
+        continue
+      for j in range(p + 1, len(ids)):
+        after = self._union(ids[p + 1 : j + 1])
+        options = []
+        for i, branch in enumerate(self.children[par]):
+          parts = (
+            self.children[branch] if self.kind[branch] == "series" else [branch]
+          )
+          # Longest tails last, so the DP can stop at the first misfit.
+          for c in reversed(range(len(parts))):
+            nodes = tuple(sorted(after + self._union(parts[c:])))
+            options.append((i, c, self._new_base(nodes)))
+        self.absorb_base[(x, p + 1, j)] = options
+
+  def _union(self, ids) -> tuple[int, ...]:
+    return tuple(sorted(n for c in ids for n in self.nodes[c]))
+
+  def _new_base(self, nodes: tuple[int, ...]) -> int:
+    self.base_nodes.append(nodes)
+    return len(self.base_nodes) - 1
+
+  def __call__(self, micro_batch: int) -> list[Partition]:
+    """Frontier partitions for micro-batch size `micro_batch` (maybe [])."""
+    costs = self.costs
+    counts = [
+      k for k in range(1, costs.num_devices + 1) if micro_batch % k == 0
+    ]
+    options = []
+    targets = set()
+    for nodes in self.base_nodes:
+      row = []
+      for k in counts:
+        cap = costs.in_flight_capacity(nodes, micro_batch, k)
+        if cap >= 1:
+          tps = costs.time_per_sample(nodes, micro_batch, k)
+          row.append((k, tps, cap))
+          targets.add(tps)
+      options.append(row)
+    solver = DPSolver(self, options)
+    found = frontier(
+      sorted(targets), self.depth[self.root], solver.feasible, solver.solve
+    )
+    return [Partition(tuple(stages), micro_batch) for stages in found]
+
+
+def _running_sum(values):
+  total = 0
+  for v in values:
+    total += v
+    yield total

@@ -1,0 +1,97 @@
+"""`check_plan`: whether a plan is a valid stage graph for its graph.
+
+Every planner's output passes it (the tests check each); it is the contract
+the schedule, the simulator and the runtime rely on.
+"""
+
+from __future__ import annotations
+
+from graphpipe.graph import OpGraph
+from graphpipe.partition import PlanError
+from graphpipe.plan import Plan, in_flight_counts, stage_memory_bytes
+from graphpipe.stage_costs import StageCosts
+
+
+def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
+  """Raises `PlanError` unless `p` is a valid plan for `graph`.
+
+  Checks: stages partition the nodes and are convex; devices are disjoint
+  and in range; the micro-batch divides the batch and each stage's device
+  count divides the micro-batch; stage edges cover every operator edge
+  across stages and go forward; in-flight counts follow the schedule;
+  every device's memory (`stage_memory_bytes`) fits `memory_bytes`.
+
+  Example:
+    >>> check_plan(plan(graph, 8, 64), graph, 16e9)
+
+  Args:
+    p: the plan.
+    graph: the operator graph it partitions.
+    memory_bytes: the per-device budget.
+  """
+  problems = []
+  owner = {}
+  for s in p.stages:
+    for n in s.nodes:
+      if n in owner:
+        problems.append(f"node {n} is in stages {owner[n]} and {s.id}")
+      owner[n] = s.id
+  if sorted(owner) != list(range(len(graph.nodes))):
+    problems.append("the stages do not cover every node exactly once")
+  used = [d for s in p.stages for d in s.devices]
+  if len(used) != len(set(used)) or any(
+    not 0 <= d < p.num_devices for d in used
+  ):
+    problems.append(f"devices {used} overlap or fall outside the plan")
+  if [s.id for s in p.stages] != list(range(p.num_stages)):
+    problems.append("stage ids are not 0..n-1 in order")
+  for s in p.stages:
+    if p.batch_size % s.micro_batch_size or s.micro_batch_size % len(s.devices):
+      problems.append(f"stage {s.id}: micro-batch does not split evenly")
+  if any(a >= b for a, b in p.stage_edges):
+    problems.append("a stage edge goes backward")
+  if not problems:
+    for e in graph.edges:
+      a, b = owner[e.src], owner[e.dst]
+      if a != b and (a, b) not in p.stage_edges:
+        problems.append(f"operator edge {e.src}->{e.dst} has no stage edge")
+    problems += _convexity_problems(p, graph, owner)
+    if p.schedule == "gpipe":
+      expected = [p.num_microbatches] * p.num_stages
+    else:
+      expected = in_flight_counts(p.num_stages, p.stage_edges)
+    if [s.in_flight for s in p.stages] != expected:
+      problems.append(f"in-flight counts are not {expected}")
+    for s in p.stages:
+      share = StageCosts.share(s.micro_batch_size, len(s.devices))
+      need = stage_memory_bytes(graph, s.nodes, share, s.in_flight)
+      if need > memory_bytes:
+        problems.append(
+          f"stage {s.id} needs {need / 2**30:.3g} GiB per device, over "
+          f"{memory_bytes / 2**30:.3g} GiB"
+        )
+  if problems:
+    raise PlanError("invalid plan: " + "; ".join(problems[:5]))
+
+
+def _convexity_problems(p: Plan, graph: OpGraph, owner) -> list[str]:
+  """A stage is convex when no path leaves it and comes back."""
+  problems = []
+  for s in p.stages:
+    inside = set(s.nodes)
+    # Nodes reachable from the stage through at least one outside node.
+    frontier = [
+      d for n in s.nodes for d in graph.successors(n) if d not in inside
+    ]
+    seen = set(frontier)
+    while frontier:
+      v = frontier.pop()
+      for w in graph.successors(v):
+        if w in inside:
+          problems.append(f"stage {s.id} is not convex (path via node {v})")
+          frontier = []
+          break
+        if w not in seen:
+          seen.add(w)
+          frontier.append(w)
+  return problems

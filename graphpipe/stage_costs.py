@@ -1,0 +1,277 @@
+"""Stage and plan costs on top of any cost model: what the planners minimise.
+
+  costs = StageCosts(graph, cost_model, batch_size=64, num_devices=8,
+                     memory_bytes=16e9)
+  costs.time_per_sample(nodes, micro_batch=4, num_devices=2)
+  estimate_iteration_time(plan, graph, cost_model)
+
+`StageCosts` prices candidate stages for the planners (time per sample,
+in-flight capacity under the memory rule); `estimate_iteration_time`
+prices a whole plan from its critical path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from graphpipe.graph import OpGraph
+from graphpipe.plan import CostModel, Plan, stage_memory_bytes
+
+
+class StageCosts:
+  """Time and memory of candidate stages: what every planner minimises.
+
+  A stage on k devices runs each micro-batch of b samples as k replicas of
+  b / k samples (k must divide b). Per iteration of B samples (m = B / b
+  micro-batches) it is busy for
+
+    m * max(compute(b / k), transfers(b / k)) + all-reduce + optimizer
+
+  where compute is the forward and backward of its nodes, transfers the
+  busier direction of its boundary traffic (transfers overlap compute), the
+  all-reduce that of its parameter bytes over its k devices, and the
+  optimizer Adam's update. Divided by B that is the stage's time per sample;
+  the bottleneck stage's bounds the pipeline's throughput. Memory follows
+  `graphpipe.plan.stage_memory_bytes`, the rule the simulator also uses.
+
+  Transfers are priced on the slowest link the plan may use (between nodes
+  once it spans nodes) and all-reduces on devices 0..k-1, since device
+  placement comes after partitioning.
+
+  Example:
+    >>> costs = StageCosts(graph, AnalyticCostModel(device_spec("v100")),
+    ...                    batch_size=64, num_devices=8, memory_bytes=16e9)
+    >>> costs.time_per_sample((0, 1), micro_batch=4, num_devices=2)
+    >>> costs.in_flight_capacity((0, 1), micro_batch=4, num_devices=2)
+
+  Args:
+    graph: the operator graph.
+    cost_model: any `graphpipe.plan.CostModel`.
+    batch_size: samples per iteration.
+    num_devices: devices the plan may use.
+    memory_bytes: capacity of one device.
+  """
+
+  def __init__(
+    self,
+    graph: OpGraph,
+    cost_model,
+    batch_size: int,
+    num_devices: int,
+    memory_bytes: float,
+  ):
+    self.graph = graph
+    self.cost_model = cost_model
+    self.batch_size = batch_size
+    self.num_devices = num_devices
+    self.memory_bytes = float(memory_bytes)
+    self._far_device = num_devices - 1
+    self._times: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+    self._cache: dict[tuple, object] = {}
+    self._params = np.array([n.param_bytes for n in graph.nodes], float)
+
+  @staticmethod
+  def share(micro_batch: int, num_devices: int) -> int | float:
+    """Samples per device: micro_batch / num_devices (int when it divides)."""
+    whole, rest = divmod(micro_batch, num_devices)
+    return whole if not rest else micro_batch / num_devices
+
+  def node_times(self, share: float) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward time of every node at `share` samples."""
+    if share not in self._times:
+      nodes = self.graph.nodes
+      model = self.cost_model
+      self._times[share] = (
+        np.array([model.node_time(n, share, "fwd") for n in nodes]),
+        np.array([model.node_time(n, share, "bwd") for n in nodes]),
+      )
+    return self._times[share]
+
+  def compute_time(
+    self, nodes: Sequence[int], micro_batch: int, num_devices: int
+  ) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch on each replica."""
+    fwd, bwd = self.node_times(self.share(micro_batch, num_devices))
+    index = list(nodes)
+    return float(fwd[index].sum()), float(bwd[index].sum())
+
+  def boundary_bytes(self, nodes: Sequence[int]) -> tuple[float, float]:
+    """(bytes in, bytes out) per sample across the stage's boundary.
+
+    A value read by several nodes of the stage travels once, so each
+    outside producer counts with its largest edge (as in the simulator).
+    """
+    key = ("boundary", tuple(nodes))
+    if key not in self._cache:
+      inside = set(nodes)
+      incoming: dict[int, float] = {}
+      outgoing: dict[int, float] = {}
+      for e in self.graph.edges:
+        if (e.src in inside) == (e.dst in inside):
+          continue
+        side = outgoing if e.src in inside else incoming
+        side[e.src] = max(side.get(e.src, 0.0), e.bytes)
+      self._cache[key] = (sum(incoming.values()), sum(outgoing.values()))
+    return self._cache[key]
+
+  def transfer_time(self, num_bytes: float) -> float:
+    """A point-to-point transfer on the slowest link the plan may use."""
+    return self.cost_model.transfer_time(num_bytes, 0, self._far_device)
+
+  def sync_time(self, nodes: Sequence[int], num_devices: int) -> float:
+    """All-reduce (over k devices) plus optimizer step, once per iteration."""
+    params = float(self._params[list(nodes)].sum())
+    if params <= 0:
+      return 0.0
+    reduce = 0.0
+    if num_devices > 1:
+      reduce = self.cost_model.allreduce_time(params, range(num_devices))
+    return reduce + self.cost_model.optimizer_time(params)
+
+  def microbatch_time(
+    self, nodes: Sequence[int], micro_batch: int, num_devices: int
+  ) -> float:
+    """Busy time per micro-batch: compute, or transfers if they are slower."""
+    fwd, bwd = self.compute_time(nodes, micro_batch, num_devices)
+    share = self.share(micro_batch, num_devices)
+    incoming, outgoing = self.boundary_bytes(nodes)
+    comm = self.transfer_time(max(incoming, outgoing) * share)
+    return max(fwd + bwd, comm)
+
+  def time_per_sample(
+    self, nodes: Sequence[int], micro_batch: int, num_devices: int
+  ) -> float:
+    """The stage's busy time per iteration divided by the batch size."""
+    key = ("tps", tuple(nodes), micro_batch, num_devices)
+    if key not in self._cache:
+      m = self.batch_size // micro_batch
+      busy = m * self.microbatch_time(nodes, micro_batch, num_devices)
+      busy += self.sync_time(nodes, num_devices)
+      self._cache[key] = busy / self.batch_size
+    return self._cache[key]
+
+  def in_flight_capacity(
+    self, nodes: Sequence[int], micro_batch: int, num_devices: int
+  ) -> int:
+    """Most in-flight micro-batches that fit memory (-1: not even weights)."""
+    share = self.share(micro_batch, num_devices)
+    key = ("cap", tuple(nodes), share)
+    if key not in self._cache:
+      nodes = list(nodes)
+      static = stage_memory_bytes(self.graph, nodes, share, 0)
+      per_flight = stage_memory_bytes(self.graph, nodes, share, 1) - static
+      room = self.memory_bytes - static
+      if room < 0:
+        cap = -1
+      elif per_flight <= 0 or math.isinf(room):
+        cap = 1 << 30
+      else:
+        cap = int(room // per_flight)
+        # Rounding must never let the planner exceed the shared rule.
+        while cap > 0 and (
+          stage_memory_bytes(self.graph, nodes, share, cap) > self.memory_bytes
+        ):
+          cap -= 1
+      self._cache[key] = cap
+    return self._cache[key]
+
+
+def estimate_iteration_time(
+  p: Plan, graph: OpGraph, cost_model: CostModel
+) -> float:
+  """Seconds per iteration of `p`, from the pipeline's critical path.
+
+  steady state: once the first micro-batch reaches a stage, it runs its
+    warm-up forwards (as many as it holds in flight) back to back, then
+    one forward per period of the busiest stage (compute, or its busiest
+    link);
+  drain: it runs forward through the stage DAG to the sinks and backward
+    to the sources (with the transfers on the way);
+  end: each stage's all-reduce and optimizer step start after its own last
+    backward; the iteration ends with the last of them.
+
+  Example:
+    >>> estimate_iteration_time(p, graph, AnalyticCostModel(spec))
+
+  Args:
+    p: the plan.
+    graph: its operator graph.
+    cost_model: the cost model to time it with.
+  """
+  n = p.num_stages
+  share = [
+    StageCosts.share(s.micro_batch_size, len(s.devices)) for s in p.stages
+  ]
+  fwd = [
+    sum(
+      cost_model.node_time(graph.nodes[i], share[s.id], "fwd") for i in s.nodes
+    )
+    for s in p.stages
+  ]
+  bwd = [
+    sum(
+      cost_model.node_time(graph.nodes[i], share[s.id], "bwd") for i in s.nodes
+    )
+    for s in p.stages
+  ]
+  owner = p.stage_of_node()
+  # A value read by several nodes of a stage travels once (as simulated).
+  largest: dict[tuple[int, int], dict[int, tuple[float, float]]] = {}
+  for e in graph.edges:
+    a, b = owner[e.src], owner[e.dst]
+    if a != b:
+      by_src = largest.setdefault((a, b), {})
+      old = by_src.get(e.src, (0.0, 0.0))
+      by_src[e.src] = (max(old[0], e.bytes), max(old[1], e.fixed_bytes))
+  transfer = {}
+  for a, b in p.stage_edges:
+    src, dst = p.stages[a], p.stages[b]
+    pairs = max(len(src.devices), len(dst.devices))
+    values = largest.get((a, b), {}).values()
+    total = sum(x * src.micro_batch_size + fixed for x, fixed in values)
+    transfer[(a, b)] = cost_model.transfer_time(
+      total / pairs, src.devices[0], dst.devices[0]
+    )
+  busy = [fwd[s] + bwd[s] for s in range(n)]
+  for (a, b), t in transfer.items():
+    busy[a] = max(busy[a], t)
+    busy[b] = max(busy[b], t)
+  # Follow the last micro-batch forward to the sinks and backward to the
+  # sources; each stage then all-reduces and steps.
+  m, period = p.num_microbatches, max(busy)
+  first_end = [0.0] * n
+  forward_end = [0.0] * n
+  for s in range(n):
+    arrival = max(
+      (first_end[a] + transfer[(a, s)] for a in p.predecessors(s)),
+      default=0.0,
+    )
+    first_end[s] = arrival + fwd[s]
+    # After the first micro-batch arrives, stage s runs its warm-up forwards
+    # (as many as it holds in flight) back to back, then one forward per
+    # period of the busiest stage.
+    warm = min(m, p.stages[s].in_flight)
+    start = arrival + (warm - 1) * fwd[s] + (m - warm) * period
+    forward_end[s] = fwd[s] + max(
+      [start] + [forward_end[a] + transfer[(a, s)] for a in p.predecessors(s)]
+    )
+  # GPipe runs every backward after every forward.
+  backlog = (m - 1) * max(bwd) if p.schedule == "gpipe" else 0.0
+  end = 0.0
+  backward_end = [0.0] * n
+  for s in reversed(range(n)):
+    backward_end[s] = bwd[s] + max(
+      (backward_end[t] + transfer[(s, t)] for t in p.successors(s)),
+      default=forward_end[s] + backlog,
+    )
+    params = sum(graph.nodes[i].param_bytes for i in p.stages[s].nodes)
+    sync = 0.0
+    if params > 0:
+      sync = cost_model.optimizer_time(params)
+      if len(p.stages[s].devices) > 1:
+        sync += cost_model.allreduce_time(params, p.stages[s].devices)
+    end = max(end, backward_end[s] + sync)
+  return end
