@@ -94,6 +94,7 @@ def plan_and_simulate(
   batch_size: int,
   planner: str,
   device: str,
+  profiled: bool = False,
 ) -> tuple[Plan, Schedule, Report]:
   """Plans `graph`, builds the plan's schedule and simulates one iteration.
 
@@ -108,11 +109,17 @@ def plan_and_simulate(
     batch_size: samples per iteration.
     planner: 'graphpipe', 'sequential' or 'gpipe'.
     device: a device preset of `graphpipe.costs` ('v100', 'a100', ...).
+    profiled: time every node on this machine's device (cached on disk)
+      instead of the analytic estimate; the preset still gives links,
+      memory and the optimizer. Meaningful when the preset describes the
+      device at hand (e.g. 'cpu' here, 'h200' on an H200).
   """
   from graphpipe import costs
   from graphpipe import planner as planners
 
   cost_model = costs.AnalyticCostModel(costs.device_spec(device))
+  if profiled:
+    cost_model = costs.ProfiledCostModel(graph, cost_model)
   plan = planners.plan(
     graph,
     num_devices,
@@ -157,6 +164,7 @@ def run(
   device: str,
   out: str,
   plots: bool = True,
+  profiled: bool = False,
 ) -> dict:
   """Captures, plans, schedules and simulates; writes DIR's files.
 
@@ -203,6 +211,7 @@ def run(
     batch_size=chosen,
     planner=planner,
     device=device,
+    profiled=profiled,
   )
   _progress(f"{plan}\n[3/4] simulated: {report}")
   results = {
@@ -216,6 +225,7 @@ def run(
       "batch_size_source": "flag" if batch_size else "default",
       "planner": planner,
       "device": device,
+      "cost_model": "profiled" if profiled else "analytic",
     },
     "in_flight": list(schedule.in_flight),
     "peak_stash": list(report.peak_stash),
@@ -273,6 +283,12 @@ def _define_flags() -> None:
     "device", "v100", "Device preset: v100, a100, h100, h200, cpu."
   )
   flags.DEFINE_bool("plots", True, "Draw schedule.png (needs matplotlib).")
+  flags.DEFINE_bool(
+    "profiled",
+    False,
+    "Time each node on this machine's device (cached under "
+    "~/.cache/graphpipe) instead of the analytic estimate.",
+  )
   flags.DEFINE_string("out", None, "Output folder.", required=True)
 
 
@@ -290,6 +306,7 @@ def main(argv):
       device=options.device,
       out=options.out,
       plots=options.plots,
+      profiled=options.profiled,
     )
   except GraphpipeError as err:
     raise SystemExit(f"experiments.plan: {err}") from err
