@@ -4,7 +4,8 @@ Layers split over N nodes whose cross-node weight columns are gated by
 learned masks (`DiscoDense`, `DiscoConv`); models built from them
 (`disco.models`); channel selection (`disco.prune`); costs of one inference
 (`disco.metrics`); training (`disco.train`); checkpoints
-(`disco.checkpoint`); data that needs no download (`disco.data`).
+(`disco.checkpoint`); data that needs no download (`disco.data`);
+distributed inference, one device per node (`disco.distributed`).
 
 Example:
   >>> import disco
@@ -16,7 +17,15 @@ Example:
   0.175
 """
 
-from disco import checkpoint, data, metrics, models, prune, train
+from disco import (
+  checkpoint,
+  data,
+  distributed,
+  metrics,
+  models,
+  prune,
+  train,
+)
 from disco.errors import DiscoError
 from disco.layers import CommMask, DiscoConv, DiscoDense
 
@@ -27,6 +36,7 @@ __all__ = [
   "DiscoError",
   "checkpoint",
   "data",
+  "distributed",
   "metrics",
   "models",
   "prune",
