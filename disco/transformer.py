@@ -8,8 +8,9 @@ projections read the same tensor, so they share one `CommMask`.
 
 LayerNorm normalises over all channels, which live on all nodes. Our choice
 (`exchange_stats=True`, the default): every node sends every other node two
-floats per token, the sum and the sum of squares over its channels, and each
-node then normalises its own channels with the global mean and variance;
+floats per token about its channels (the distributed runtime sends their
+mean and sum of squared deviations, which combine exactly and stably), and
+each node normalises its own channels with the global mean and variance;
 this is exact (the same function as a dense LayerNorm) and costs
 2 * tokens * 4 bytes per ordered node pair, counted by `disco.metrics`.
 With `exchange_stats=False` each node normalises its channels with its own

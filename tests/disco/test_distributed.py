@@ -5,7 +5,6 @@ Every case checks logits, bytes from the compiled program against
 Compiled programs are cached per case: each test reuses them.
 """
 
-import doctest
 import functools
 import importlib
 import json
@@ -224,15 +223,6 @@ def test_hlo_counter_refuses_collectives_in_a_loop():
   text = program.lower(np.ones((2, 3), np.float32)).compile().as_text()
   with pytest.raises(hlo_bytes.HloError, match="straight-line"):
     hlo_bytes.collective_bytes(text)
-
-
-@pytest.mark.parametrize(
-  "name", ["disco.distributed", "disco.exchange", "disco.hlo_bytes"]
-)
-def test_docstring_examples(name):
-  module = importlib.import_module(name)
-  flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-  assert doctest.testmod(module, optionflags=flags).failed == 0
 
 
 def test_experiment_writes_results_and_plot(tmp_path):
