@@ -2,28 +2,39 @@
 
   python -m experiments.bench_runtime --out=/tmp/bench
 
-Two CPU devices, each single-threaded (so the two really run in parallel on
-two cores), train a two-tower multi-task model (two branches reading the
-same input, each ending in its own loss, losses summed: no join). The
-graphpipe plan puts one tower on each device (depth 1); the sequential plan
-chains the same two stages (depth 2), as a sequential pipeline must. Both run
-the same number of micro-batches through the same runtime, alternating step
-by step; measured_ratio is the median of (sequential / graphpipe) step-time
-pairs. predicted_ratio is the simulator's for the same plans, with node
-times profiled on this machine (same flags) and the runtime's tick-by-tick
-execution (lockstep); the asynchronous-pipeline prediction is reported
-beside it.
+Two single-threaded CPU devices that truly run in parallel: two processes
+(one JAX CPU device each, `graphpipe.runtime.launch`, gloo over loopback),
+each pinned to its own core before JAX starts. (On jax 0.10.2 the XLA flags
+that should make one CPU device single-threaded do not: a device still keeps
+~1.7 cores busy, so two devices in one process would share both cores.)
+They train a two-tower multi-task model (two branches reading the same
+input, each ending in its own loss, losses summed: no join). The graphpipe
+plan puts one tower on each device (depth 1); the sequential plan chains the
+same two stages (depth 2), as a sequential pipeline must. Both run the same
+number of micro-batches through the same runtime, alternating step by step;
+measured_ratio is the median of (sequential / graphpipe) step-time pairs.
+predicted_ratio is the simulator's for the same plans, with node times
+profiled on one pinned core and the runtime's tick-by-tick execution
+(lockstep), transfers priced with the loopback collective latency measured
+in the same run; the asynchronous-pipeline prediction is reported beside it.
+
+Defaults: towers of 4 layers of 512 over a 256-wide input, batch 1024 in 4
+micro-batches of 256. Smaller batches leave the per-step costs both plans
+share (optimizer, host transfer, loss all-reduce) a larger part of the step
+and shrink the measured ratio (BUILD.md lists a sweep).
 """
 
 import os
+import sys
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "GRAPHPIPE_PROCESS_ID" in os.environ:
+  # Pin before JAX starts, so XLA sizes its thread pool to this one core.
+  _core = int(os.environ["GRAPHPIPE_PROCESS_ID"]) % os.cpu_count()
+  os.sched_setaffinity(0, {_core})
   os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count=2"
     + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
   ).strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402
 import statistics  # noqa: E402
@@ -33,10 +44,15 @@ from absl import app, flags  # noqa: E402
 
 
 def _define_flags():
-  flags.DEFINE_integer("in_features", 512, "Tower input width.")
-  flags.DEFINE_integer("hidden", 1024, "Tower layer width.")
+  flags.DEFINE_integer("in_features", 256, "Tower input width.")
+  flags.DEFINE_integer("hidden", 512, "Tower layer width.")
   flags.DEFINE_integer("tower_layers", 4, "Layers per tower.")
-  flags.DEFINE_integer("batch_size", 64, "Samples per step.")
+  flags.DEFINE_integer(
+    "batch_size",
+    1024,
+    "Samples per step (large enough that compute, not the per-step "
+    "optimizer and host costs, dominates; see BUILD.md for smaller).",
+  )
   flags.DEFINE_integer("microbatches", 4, "Micro-batches per step.")
   flags.DEFINE_integer("pairs", 30, "Timed (sequential, graphpipe) pairs.")
   flags.DEFINE_string("out", None, "Output folder.", required=True)
@@ -65,10 +81,51 @@ def tower_plans(graph, batch_size, microbatches):
   return plans
 
 
+def collective_latency(mesh, repeats: int = 50) -> float:
+  """Median seconds of one tiny ppermute between the two devices."""
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  swap = jax.jit(
+    jax.shard_map(
+      lambda x: jax.lax.ppermute(x, "pipe", [(0, 1), (1, 0)]),
+      mesh=mesh,
+      in_specs=P("pipe"),
+      out_specs=P("pipe"),
+      check_vma=False,
+    )
+  )
+  host = np.zeros((2, 16), np.float32)
+  x = jax.make_array_from_callback(
+    host.shape, NamedSharding(mesh, P("pipe")), lambda i: host[i]
+  )
+  swap(x).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    swap(x).block_until_ready()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
 def main(argv):
   del argv
+  from graphpipe.runtime.launch import initialize_from_env, launch
+
+  if not initialize_from_env():
+    outputs = launch(
+      ["-m", "experiments.bench_runtime", *sys.argv[1:]], 2, 1, timeout=1800
+    )
+    print(outputs[0], end="")
+    return
+  import dataclasses
+
   import jax
+  import numpy as np
   import optax
+  from jax.sharding import Mesh
 
   from experiments.plan import environment
   from graphpipe import capture
@@ -101,11 +158,13 @@ def main(argv):
       strict=True,
     )
   )
-  print(f"devices: {jax.devices()}", flush=True)
+  leader = jax.process_index() == 0
+  say = print if leader else (lambda *a, **k: None)
+  say(f"devices: {jax.devices()}, process affinity {os.sched_getaffinity(0)}")
   trainers, states = {}, {}
   batch = two_tower.make_batch(cfg, options.batch_size, seed=0)
   for name, plan in plans.items():
-    print(plan, flush=True)
+    say(plan, flush=True)
     trainers[name] = Trainer(plan, optax.sgd(1e-3), graph=graph)
     states[name] = trainers[name].init(model)
     for _ in range(3):  # compile and warm up
@@ -117,7 +176,7 @@ def main(argv):
       states[name], metrics = trainers[name].step(states[name], batch)
       times[name].append(time.perf_counter() - start)
     if i % 5 == 4:
-      print(
+      say(
         f"pair {i + 1}/{options.pairs}: sequential "
         f"{times['sequential'][-1] * 1e3:.1f} ms, graphpipe "
         f"{times['graphpipe'][-1] * 1e3:.1f} ms",
@@ -126,8 +185,14 @@ def main(argv):
   ratios = [
     s / g for s, g in zip(times["sequential"], times["graphpipe"], strict=True)
   ]
+  mesh = Mesh(np.asarray(jax.devices()[:2]), ("pipe",))
+  latency = collective_latency(mesh)
+  if not leader:
+    return
   micro = options.batch_size // options.microbatches
-  spec = measure_cpu()
+  spec = dataclasses.replace(
+    measure_cpu(), intra_node_latency=latency, inter_node_latency=latency
+  )
   costs = ProfiledCostModel(
     graph,
     AnalyticCostModel(spec),
@@ -163,6 +228,8 @@ def main(argv):
     },
     "depth": {n: p.depth for n, p in plans.items()},
     "cpu_spec": spec.source,
+    "collective_latency_s": latency,
+    "setup": "2 processes x 1 CPU device, each pinned to its own core",
     "environment": environment(),
   }
   os.makedirs(options.out, exist_ok=True)
