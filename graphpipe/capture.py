@@ -2,20 +2,9 @@
 
 The loss is traced once with `jax.make_jaxpr` on abstract values (no weight
 is materialised, so paper-scale models capture in seconds). Each top-level
-equation is labelled with the module path active when it was traced,
-cut at the requested depth; nodes are then formed in four steps:
-
-1. runs: maximal runs of consecutive equations with the same label. Every
-   run is an interval of a topologically ordered list, so the run graph is a
-   DAG whatever the model does.
-2. shared parameters: a parameter read by several runs merges all runs
-   between its first and last reader (intervals again: still a DAG).
-3. loss terms: a final parameter-free run made only of scalar additions of
-   other runs' scalars (a multi-task loss `loss_a + loss_b`) is dropped and
-   its addends become the graph's loss terms.
-4. glue: a parameter-free run (concatenation, pooling, the loss) joins its
-   only successor, or else its only predecessor. Contracting an edge to a
-   node's only successor (predecessor) cannot close a cycle.
+equation is labelled with the module path active when it was traced, cut at
+the requested depth, and `graphpipe.grouping` turns the labelled equations
+into nodes; `graphpipe.node_costs` measures them.
 """
 
 from __future__ import annotations
@@ -32,8 +21,9 @@ from flax import nnx
 from graphpipe import node_costs
 from graphpipe.errors import CaptureError, GraphCutError
 from graphpipe.graph import Edge, InputSpec, Node, OpGraph
+from graphpipe.grouping import Grouping, labels_of, loss_terms, name_nodes, runs
 from graphpipe.program import Program
-from graphpipe.scopes import module_chain, nnx_module_scopes, path_to_str
+from graphpipe.scopes import nnx_module_scopes, path_to_str
 
 GRANULARITIES = ("layer", "block")
 
@@ -139,202 +129,6 @@ class _Bound:
       return params, state
     variables = dict(variables)
     return variables.pop("params", {}), variables
-
-
-def _inner_chains(eqn, framework):
-  for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-    for inner in sub.eqns:
-      yield _eqn_chain(inner, framework)
-
-
-def _eqn_chain(eqn, framework):
-  """Module chain of an equation, looking inside nested jaxprs.
-
-  A module called under `jax.jit` (or another transform) from its parent's
-  code has its scope on the equations inside the nested jaxpr, not on the
-  enclosing equation: the common chain of the inner equations then names it.
-  """
-  chain = module_chain(eqn.source_info.name_stack, framework)
-  if framework != "nnx":  # linen scopes inside transforms are relative
-    return chain
-  common = None
-  for inner in _inner_chains(eqn, framework):
-    if common is None:
-      common = inner
-    else:
-      k = 0
-      while k < min(len(common), len(inner)) and common[k] == inner[k]:
-        k += 1
-      common = common[:k]
-  if not common:
-    return chain
-  if common[: len(chain)] == chain:  # inner stacks include the outer scopes
-    return common if len(common) > len(chain) else chain
-  if not chain or common[0].startswith(chain[-1] + "."):
-    return chain + common  # inner stacks start afresh inside the transform
-  return chain
-
-
-def _labels(jaxpr, framework, depth):
-  labels = []
-  for eqn in jaxpr.eqns:
-    chain = _eqn_chain(eqn, framework)
-    labels.append(chain[min(depth, len(chain)) - 1] if chain else "")
-  return labels
-
-
-def _runs(labels):
-  runs = []
-  for i, label in enumerate(labels):
-    if runs and runs[-1][0] == label:
-      runs[-1][1].append(i)
-    else:
-      runs.append((label, [i]))
-  return runs
-
-
-def _node_deps(jaxpr, groups):
-  owner = {}
-  for n, g in enumerate(groups):
-    for i in g:
-      for v in jaxpr.eqns[i].outvars:
-        owner[v] = n
-  preds = [set() for _ in groups]
-  for n, g in enumerate(groups):
-    for i in g:
-      for v in jaxpr.eqns[i].invars:
-        m = owner.get(v) if not isinstance(v, jax.extend.core.Literal) else None
-        if m is not None and m != n:
-          preds[n].add(m)
-  return preds
-
-
-def _reads(jaxpr, group, vars_):
-  return {
-    v
-    for i in group
-    for v in jaxpr.eqns[i].invars
-    if not isinstance(v, jax.extend.core.Literal) and v in vars_
-  }
-
-
-class _Grouping:
-  """Mutable node sets during grouping: labels and equation indices."""
-
-  def __init__(self, jaxpr, runs, model_vars):
-    self.jaxpr = jaxpr
-    self.labels = [label for label, _ in runs]
-    self.groups = [list(g) for _, g in runs]
-    self.model_vars = model_vars
-
-  def merge_intervals(self):
-    """Merges every interval of runs that share a parameter or variable."""
-    first, last = {}, {}
-    for n, g in enumerate(self.groups):
-      for v in _reads(self.jaxpr, g, self.model_vars):
-        first.setdefault(v, n)
-        last[v] = n
-    spans = sorted((first[v], last[v]) for v in first if first[v] != last[v])
-    merged = []
-    for a, b in spans:
-      if merged and a <= merged[-1][1]:
-        merged[-1][1] = max(merged[-1][1], b)
-      else:
-        merged.append([a, b])
-    for a, b in reversed(merged):
-      self.groups[a] = [i for g in self.groups[a : b + 1] for i in g]
-      del self.groups[a + 1 : b + 1]
-      del self.labels[a + 1 : b + 1]
-    return bool(merged)
-
-  def has_model_vars(self, n):
-    return bool(_reads(self.jaxpr, self.groups[n], self.model_vars))
-
-  def merge(self, src, dst):
-    self.groups[dst] = sorted(self.groups[dst] + self.groups[src])
-    if not self.has_model_vars(dst) and self.labels[dst] == "":
-      self.labels[dst] = self.labels[src]
-    del self.groups[src]
-    del self.labels[src]
-
-  def absorb_glue(self):
-    """Merges parameter-free runs into their only successor/predecessor."""
-    changed = True
-    while changed and len(self.groups) > 1:
-      changed = False
-      preds = _node_deps(self.jaxpr, self.groups)
-      succs = [set() for _ in self.groups]
-      for n, ps in enumerate(preds):
-        for p in ps:
-          succs[p].add(n)
-      for n in range(len(self.groups)):
-        if self.has_model_vars(n):
-          continue
-        if len(succs[n]) == 1:
-          self.merge(n, next(iter(succs[n])))
-        elif len(preds[n]) == 1:
-          self.merge(n, next(iter(preds[n])))
-        else:
-          continue
-        changed = True
-        break
-
-  def topological(self):
-    """Orders node sets topologically, ties by first equation."""
-    preds = _node_deps(self.jaxpr, self.groups)
-    order, done = [], set()
-    while len(order) < len(self.groups):
-      ready = [
-        n for n in range(len(self.groups)) if n not in done and preds[n] <= done
-      ]
-      n = min(ready, key=lambda k: min(self.groups[k]))
-      order.append(n)
-      done.add(n)
-    self.groups = [sorted(self.groups[n]) for n in order]
-    self.labels = [self.labels[n] for n in order]
-
-
-def _loss_terms(jaxpr, grouping):
-  """Splits off a final node that only sums other nodes' scalar losses."""
-  last = grouping.groups[-1]
-  eqns = [jaxpr.eqns[i] for i in last]
-  if grouping.has_model_vars(len(grouping.groups) - 1) or not all(
-    e.primitive.name in ("add", "add_any")
-    and all(getattr(v.aval, "shape", None) == () for v in e.invars)
-    for e in eqns
-  ):
-    return None
-  internal = {v for e in eqns for v in e.outvars}
-  terms = [
-    v
-    for e in eqns
-    for v in e.invars
-    if not isinstance(v, jax.extend.core.Literal) and v not in internal
-  ]
-  if len(terms) < 2 or len(set(terms)) != len(terms):
-    return None
-  position = {
-    v: (i, k) for i, e in enumerate(jaxpr.eqns) for k, v in enumerate(e.outvars)
-  }
-  if any(v not in position for v in terms):
-    return None  # a term is a graph input, not a node's output
-  return [position[v] for v in terms]
-
-
-def _name_nodes(labels, groups, first_module_eqn, last_module_eqn):
-  names, seen = [], {}
-  for label, group in zip(labels, groups, strict=True):
-    if not label:
-      if min(group) < first_module_eqn:
-        label = "input"
-      elif min(group) > last_module_eqn:
-        label = "loss"
-      else:
-        label = "glue"
-    count = seen.get(label, 0)
-    seen[label] = count + 1
-    names.append(label if count == 0 else f"{label}#{count}")
-  return names
 
 
 def capture(
@@ -454,7 +248,7 @@ def capture(
   model_vars = set(jaxpr.invars[:num_model_vars])
   model_vars |= set(jaxpr.constvars)
 
-  labels = _labels(jaxpr, bound.framework, depth)
+  labels = labels_of(jaxpr, bound.framework, depth)
   module_eqns = [i for i, label in enumerate(labels) if label]
   if not module_eqns:
     raise GraphCutError(
@@ -462,10 +256,10 @@ def capture(
       "the graph would be a single node. Build the model from submodules "
       "(each layer an nnx.Module / linen Module called in __call__)"
     )
-  grouping = _Grouping(jaxpr, _runs(labels), model_vars)
+  grouping = Grouping(jaxpr, runs(labels), model_vars)
   grouping.merge_intervals()
   grouping.topological()
-  terms = _loss_terms(jaxpr, grouping)
+  terms = loss_terms(jaxpr, grouping)
   if terms is not None:
     grouping.groups.pop()
     grouping.labels.pop()
@@ -478,13 +272,13 @@ def capture(
       + (
         "a parameter is shared between the first and the last module "
         "call, which merges everything between them"
-        if len(_runs(labels)) > 1
+        if len(runs(labels)) > 1
         else "only one module call was traced"
       )
       + ". Use a finer granularity or untie the shared parameters"
     )
   groups = grouping.groups
-  names = _name_nodes(
+  names = name_nodes(
     grouping.labels, groups, min(module_eqns), max(module_eqns)
   )
   flatten_inputs = _make_flatten(bound)

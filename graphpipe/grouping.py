@@ -1,0 +1,220 @@
+"""Labelled equations -> operator nodes, in four steps.
+
+1. runs: maximal runs of consecutive equations with the same label. Every
+   run is an interval of a topologically ordered list, so the run graph is a
+   DAG whatever the model does.
+2. shared parameters: a parameter read by several runs merges all runs
+   between its first and last reader (intervals again: still a DAG).
+3. loss terms: a final parameter-free run made only of scalar additions of
+   other runs' scalars (a multi-task loss `loss_a + loss_b`) is dropped and
+   its addends become the graph's loss terms.
+4. glue: a parameter-free run (concatenation, pooling, the loss) joins its
+   only successor, or else its only predecessor. Contracting an edge to a
+   node's only successor (predecessor) cannot close a cycle.
+"""
+
+import jax
+
+from graphpipe.scopes import module_chain
+
+
+def _inner_chains(eqn, framework):
+  for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+    for inner in sub.eqns:
+      yield _eqn_chain(inner, framework)
+
+
+def _eqn_chain(eqn, framework):
+  """Module chain of an equation, looking inside nested jaxprs.
+
+  A module called under `jax.jit` (or another transform) from its parent's
+  code has its scope on the equations inside the nested jaxpr, not on the
+  enclosing equation: the common chain of the inner equations then names it.
+  """
+  chain = module_chain(eqn.source_info.name_stack, framework)
+  if framework != "nnx":  # linen scopes inside transforms are relative
+    return chain
+  common = None
+  for inner in _inner_chains(eqn, framework):
+    if common is None:
+      common = inner
+    else:
+      k = 0
+      while k < min(len(common), len(inner)) and common[k] == inner[k]:
+        k += 1
+      common = common[:k]
+  if not common:
+    return chain
+  if common[: len(chain)] == chain:  # inner stacks include the outer scopes
+    return common if len(common) > len(chain) else chain
+  if not chain or common[0].startswith(chain[-1] + "."):
+    return chain + common  # inner stacks start afresh inside the transform
+  return chain
+
+
+def labels_of(jaxpr, framework, depth):
+  """Per top-level equation, its module path cut at `depth` ('' = glue)."""
+  labels = []
+  for eqn in jaxpr.eqns:
+    chain = _eqn_chain(eqn, framework)
+    labels.append(chain[min(depth, len(chain)) - 1] if chain else "")
+  return labels
+
+
+def runs(labels):
+  """[(label, equation indices)] of maximal runs of equal labels."""
+  runs = []
+  for i, label in enumerate(labels):
+    if runs and runs[-1][0] == label:
+      runs[-1][1].append(i)
+    else:
+      runs.append((label, [i]))
+  return runs
+
+
+def _node_deps(jaxpr, groups):
+  owner = {}
+  for n, g in enumerate(groups):
+    for i in g:
+      for v in jaxpr.eqns[i].outvars:
+        owner[v] = n
+  preds = [set() for _ in groups]
+  for n, g in enumerate(groups):
+    for i in g:
+      for v in jaxpr.eqns[i].invars:
+        m = owner.get(v) if not isinstance(v, jax.extend.core.Literal) else None
+        if m is not None and m != n:
+          preds[n].add(m)
+  return preds
+
+
+def _reads(jaxpr, group, vars_):
+  return {
+    v
+    for i in group
+    for v in jaxpr.eqns[i].invars
+    if not isinstance(v, jax.extend.core.Literal) and v in vars_
+  }
+
+
+class Grouping:
+  """Mutable node sets during grouping: labels and equation indices."""
+
+  def __init__(self, jaxpr, runs, model_vars):
+    self.jaxpr = jaxpr
+    self.labels = [label for label, _ in runs]
+    self.groups = [list(g) for _, g in runs]
+    self.model_vars = model_vars
+
+  def merge_intervals(self):
+    """Merges every interval of runs that share a parameter or variable."""
+    first, last = {}, {}
+    for n, g in enumerate(self.groups):
+      for v in _reads(self.jaxpr, g, self.model_vars):
+        first.setdefault(v, n)
+        last[v] = n
+    spans = sorted((first[v], last[v]) for v in first if first[v] != last[v])
+    merged = []
+    for a, b in spans:
+      if merged and a <= merged[-1][1]:
+        merged[-1][1] = max(merged[-1][1], b)
+      else:
+        merged.append([a, b])
+    for a, b in reversed(merged):
+      self.groups[a] = [i for g in self.groups[a : b + 1] for i in g]
+      del self.groups[a + 1 : b + 1]
+      del self.labels[a + 1 : b + 1]
+    return bool(merged)
+
+  def has_model_vars(self, n):
+    return bool(_reads(self.jaxpr, self.groups[n], self.model_vars))
+
+  def merge(self, src, dst):
+    self.groups[dst] = sorted(self.groups[dst] + self.groups[src])
+    if not self.has_model_vars(dst) and self.labels[dst] == "":
+      self.labels[dst] = self.labels[src]
+    del self.groups[src]
+    del self.labels[src]
+
+  def absorb_glue(self):
+    """Merges parameter-free runs into their only successor/predecessor."""
+    changed = True
+    while changed and len(self.groups) > 1:
+      changed = False
+      preds = _node_deps(self.jaxpr, self.groups)
+      succs = [set() for _ in self.groups]
+      for n, ps in enumerate(preds):
+        for p in ps:
+          succs[p].add(n)
+      for n in range(len(self.groups)):
+        if self.has_model_vars(n):
+          continue
+        if len(succs[n]) == 1:
+          self.merge(n, next(iter(succs[n])))
+        elif len(preds[n]) == 1:
+          self.merge(n, next(iter(preds[n])))
+        else:
+          continue
+        changed = True
+        break
+
+  def topological(self):
+    """Orders node sets topologically, ties by first equation."""
+    preds = _node_deps(self.jaxpr, self.groups)
+    order, done = [], set()
+    while len(order) < len(self.groups):
+      ready = [
+        n for n in range(len(self.groups)) if n not in done and preds[n] <= done
+      ]
+      n = min(ready, key=lambda k: min(self.groups[k]))
+      order.append(n)
+      done.add(n)
+    self.groups = [sorted(self.groups[n]) for n in order]
+    self.labels = [self.labels[n] for n in order]
+
+
+def loss_terms(jaxpr, grouping):
+  """(equation, output) positions of summed losses, or None (step 3).
+
+  Applies when the last node only sums other nodes' scalar losses.
+  """
+  last = grouping.groups[-1]
+  eqns = [jaxpr.eqns[i] for i in last]
+  if grouping.has_model_vars(len(grouping.groups) - 1) or not all(
+    e.primitive.name in ("add", "add_any")
+    and all(getattr(v.aval, "shape", None) == () for v in e.invars)
+    for e in eqns
+  ):
+    return None
+  internal = {v for e in eqns for v in e.outvars}
+  terms = [
+    v
+    for e in eqns
+    for v in e.invars
+    if not isinstance(v, jax.extend.core.Literal) and v not in internal
+  ]
+  if len(terms) < 2 or len(set(terms)) != len(terms):
+    return None
+  position = {
+    v: (i, k) for i, e in enumerate(jaxpr.eqns) for k, v in enumerate(e.outvars)
+  }
+  if any(v not in position for v in terms):
+    return None  # a term is a graph input, not a node's output
+  return [position[v] for v in terms]
+
+
+def name_nodes(labels, groups, first_module_eqn, last_module_eqn):
+  """Node names: module paths, 'input'/'glue'/'loss' for code outside."""
+  names, seen = [], {}
+  for label, group in zip(labels, groups, strict=True):
+    if not label:
+      if min(group) < first_module_eqn:
+        label = "input"
+      elif min(group) > last_module_eqn:
+        label = "loss"
+      else:
+        label = "glue"
+    count = seen.get(label, 0)
+    seen[label] = count + 1
+    names.append(label if count == 0 else f"{label}#{count}")
+  return names
