@@ -10,7 +10,7 @@ from graphpipe.runtime import Trainer
 from tests.graphpipe import runtime_cases as rc
 
 # Every model with every planner somewhere, every device count somewhere;
-# GRAPHPIPE_FULL_MATRIX=1 runs all 6 x 3 x 4 combinations (~15 minutes).
+# GRAPHPIPE_FULL_MATRIX=1 runs all 6 x 3 x 4 combinations (~8 minutes).
 COVER = [
   ("two_branch", 8, "graphpipe"),
   ("two_branch", 4, "sequential"),
