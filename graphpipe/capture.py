@@ -25,8 +25,6 @@ from graphpipe.grouping import Grouping, labels_of, loss_terms, name_nodes, runs
 from graphpipe.program import Program
 from graphpipe.scopes import nnx_module_scopes, path_to_str
 
-GRANULARITIES = ("layer", "block")
-
 
 def _key_name(key) -> str:
   for attr in ("key", "idx", "name"):

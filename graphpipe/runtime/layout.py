@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
-
-import numpy as np
 
 from graphpipe.errors import GraphpipeError
 from graphpipe.graph import OpGraph
@@ -333,68 +330,3 @@ def _key_order(key: str):
   if head.startswith("node"):
     return (0, int(head[4:]), int(tail), "")
   return (1, 0, 0, key)
-
-
-def color_pairs(
-  pairs: Sequence[tuple[int, int]],
-) -> list[list[tuple[int, int]]]:
-  """Groups (src, dst) device pairs into permutations (ppermute calls).
-
-  A bipartite edge colouring: each group has unique sources and unique
-  destinations. Greedy by first fit, enough for pipeline fan-in/fan-out.
-  """
-  groups: list[list[tuple[int, int]]] = []
-  for pair in sorted(set(pairs)):
-    for group in groups:
-      if all(pair[0] != a and pair[1] != b for a, b in group):
-        group.append(pair)
-        break
-    else:
-      groups.append([pair])
-  return groups
-
-
-def allocate_slots(
-  intervals: dict[tuple[int, int], tuple[int, int]],
-) -> tuple[dict[tuple[int, int], int], int]:
-  """Slots for buffered values with lifetimes [start, end] (ticks).
-
-  A slot read at tick t may take a new value written at the end of tick t.
-
-  Args:
-    intervals: (device, micro-batch) -> (first tick written, last tick read).
-
-  Returns:
-    ((device, micro-batch) -> slot, number of slots needed on any device).
-  """
-  by_device: dict[int, list] = {}
-  for (device, mb), (start, end) in intervals.items():
-    by_device.setdefault(device, []).append((start, end, mb))
-  slots, most = {}, 0
-  for device, items in by_device.items():
-    free_at: list[int] = []  # per slot, the tick after which it is free
-    for start, end, mb in sorted(items):
-      for slot, free in enumerate(free_at):
-        if free <= start:
-          free_at[slot] = end
-          break
-      else:
-        slot = len(free_at)
-        free_at.append(end)
-      slots[(device, mb)] = slot
-    most = max(most, len(free_at))
-  return slots, most
-
-
-def schedule_table(schedule: Schedule) -> np.ndarray:
-  """[ticks, devices] of (stage, kind 0=F 1=B, micro-batch), -1 if idle."""
-  table = -np.ones((schedule.num_ticks, schedule.num_devices, 3), np.int32)
-  for d, row in enumerate(schedule.grid):
-    for t, action in enumerate(row):
-      if action is not None:
-        table[t, d] = (
-          action.stage,
-          0 if action.kind == "F" else 1,
-          action.microbatch,
-        )
-  return table

@@ -33,13 +33,8 @@ from jax import lax
 
 from graphpipe.program import Program
 from graphpipe.runtime import packing
-from graphpipe.runtime.layout import (
-  Layout,
-  PipelineRuntimeError,
-  allocate_slots,
-  color_pairs,
-  schedule_table,
-)
+from graphpipe.runtime.layout import Layout, PipelineRuntimeError
+from graphpipe.runtime.tables import build_tables, make_channels
 from graphpipe.schedule import Schedule
 
 AXIS = "pipe"
@@ -122,31 +117,12 @@ class StepBuilder:
     self.consts = program.consts
     self.device_stage = layout.stage_of_device()
     self._residual_avals = {}
-    self._make_channels()
+    self._channels = make_channels(layout)
+    self.channels = self._channels.groups
+    self.channel_of = self._channels.channel_of
     self._make_tables()
 
   # Static structure.
-
-  def _make_channels(self):
-    pairs = []
-    for t in self.layout.transfers:
-      pairs.append((t.src_device, t.dst_device))  # activations
-      pairs.append((t.dst_device, t.src_device))  # their gradients
-    self.channels = color_pairs(pairs)
-    self.channel_of = {
-      pair: c for c, group in enumerate(self.channels) for pair in group
-    }
-    self.channel_size = max(
-      [1]
-      + [
-        t.rows * self.layout.edges[t.edge].width for t in self.layout.transfers
-      ]
-    )
-
-  def stage_inputs(self, stage):
-    """(param keys, state keys, batch keys) of a stage."""
-    s = self.layout.stages[stage]
-    return s.params, s.state, s.batch
 
   def stage_function(self, stage: int):
     """f(params, acts_block, batch_rows) -> (outputs block, loss)."""
@@ -193,134 +169,29 @@ class StepBuilder:
     return f
 
   def _make_tables(self):
-    lay, sch = self.layout, self.schedule
-    table = schedule_table(sch)
-    ticks = sch.ticks()
-    num_ticks, num_devices = table.shape[:2]
-    self.num_ticks = num_ticks
-    # (stage, kind, mb) -> tick, for all stages
-    when = {(a.stage, a.kind, a.microbatch): t for a, t in ticks.items()}
-    m = lay.num_microbatches
-    act_life, grad_life, res_life = {}, {}, {}
-    for s in lay.stages:
-      for d in s.devices:
-        for mb in range(m):
-          f_tick, b_tick = when[(s.id, "F", mb)], when[(s.id, "B", mb)]
-          arrivals = [
-            when[(lay.edges[t.edge].src, "F", mb)]
-            for t in lay.transfers
-            if t.dst_device == d
-          ]
-          if arrivals:
-            if max(arrivals) >= f_tick:
-              raise PipelineRuntimeError(
-                f"schedule runs {s.id}F{mb} before its inputs arrive"
-              )
-            end = b_tick if self.recompute else f_tick
-            act_life[(d, mb)] = (min(arrivals), end)
-          grads = [
-            when[(lay.edges[t.edge].dst, "B", mb)]
-            for t in lay.transfers
-            if t.src_device == d
-          ]
-          if grads:
-            if max(grads) >= b_tick:
-              raise PipelineRuntimeError(
-                f"schedule runs {s.id}B{mb} before its gradients arrive"
-              )
-            grad_life[(d, mb)] = (min(grads), b_tick)
-          if not self.recompute:
-            res_life[(d, mb)] = (f_tick, b_tick)
-    act_slot, n_act = allocate_slots(act_life)
-    grad_slot, n_grad = allocate_slots(grad_life)
-    res_slot, n_res = allocate_slots(res_life)
-    channels = len(self.channels)
-    shape = (num_ticks, num_devices)
-    self.tables = {
-      "branch": np.zeros(shape, np.int32),
-      "mb": np.zeros(shape, np.int32),
-      "act_slot": np.zeros(shape, np.int32),
-      "grad_slot": np.zeros(shape, np.int32),
-      "res_slot": np.zeros(shape, np.int32),
-      "recv_valid": np.zeros(shape + (channels,), np.int32),
-      "recv_grad": np.zeros(shape + (channels,), np.int32),
-      "recv_slot": np.zeros(shape + (channels,), np.int32),
-      "recv_offset": np.zeros(shape + (channels,), np.int32),
-      "recv_len": np.zeros(shape + (channels,), np.int32),
-    }
-    tb = self.tables
-    self.branch_devices = sorted(self.device_stage)
-    branch_id = {d: 1 + 2 * i for i, d in enumerate(self.branch_devices)}
-    for t in range(num_ticks):
-      for d in range(num_devices):
-        stage, kind, mb = table[t, d]
-        if stage < 0:
-          continue
-        tb["branch"][t, d] = branch_id[d] + kind
-        tb["mb"][t, d] = mb
-        tb["act_slot"][t, d] = act_slot.get((d, mb), 0)
-        tb["grad_slot"][t, d] = grad_slot.get((d, mb), 0)
-        tb["res_slot"][t, d] = res_slot.get((d, mb), 0)
-    for tr in lay.transfers:
-      edge = lay.edges[tr.edge]
-      width = edge.width
-      src_stage, dst_stage = edge.src, edge.dst
-      for mb in range(m):
-        # Activations: sent at the source's F tick, into the receiver's
-        # activation stash.
-        t = when[(src_stage, "F", mb)]
-        c = self.channel_of[(tr.src_device, tr.dst_device)]
-        self._set_recv(
-          t,
-          tr.dst_device,
-          c,
-          grad=False,
-          slot=act_slot[(tr.dst_device, mb)],
-          offset=lay.in_offsets(dst_stage)[tr.edge] + tr.dst_row * width,
-          length=tr.rows * width,
-        )
-        # Gradients: sent at the receiver's B tick, into the sender's
-        # gradient stash.
-        t = when[(dst_stage, "B", mb)]
-        c = self.channel_of[(tr.dst_device, tr.src_device)]
-        self._set_recv(
-          t,
-          tr.src_device,
-          c,
-          grad=True,
-          slot=grad_slot[(tr.src_device, mb)],
-          offset=lay.out_offsets(src_stage)[tr.edge] + tr.src_row * width,
-          length=tr.rows * width,
-        )
+    lay = self.layout
+    ticks = build_tables(lay, self.schedule, self._channels, self.recompute)
+    self.tables = ticks.arrays
+    self.branch_devices = ticks.branch_devices
     self.buffers = Buffers(
       params=max(1, max(lay.param_size(s.id) for s in lay.stages)),
       state=max(1, max(lay.param_size(s.id, "state") for s in lay.stages)),
       act_slot=max(1, max(lay.in_size(s.id) for s in lay.stages)),
-      act_slots=max(1, n_act),
+      act_slots=max(1, ticks.act_slots),
       grad_slot=max(1, max(lay.out_size(s.id) for s in lay.stages)),
-      grad_slots=max(1, n_grad),
-      res_slot=1,
-      res_slots=max(1, n_res),
-      channel=self.channel_size,
-      channels=max(1, channels),
+      grad_slots=max(1, ticks.grad_slots),
+      res_slot=max(
+        [1]
+        + (
+          []
+          if self.recompute
+          else [self._residual_size(s.id) for s in lay.stages]
+        )
+      ),
+      res_slots=max(1, ticks.res_slots),
+      channel=self._channels.size,
+      channels=max(1, len(self.channels)),
     )
-    if not self.recompute:
-      sizes = [self._residual_size(s.id) for s in lay.stages]
-      self.buffers = dataclasses.replace(
-        self.buffers, res_slot=max([1] + sizes)
-      )
-
-  def _set_recv(self, t, device, channel, *, grad, slot, offset, length):
-    tb = self.tables
-    if tb["recv_valid"][t, device, channel]:
-      raise PipelineRuntimeError(
-        f"two transfers to device {device} on channel {channel} at tick {t}"
-      )
-    tb["recv_valid"][t, device, channel] = 1
-    tb["recv_grad"][t, device, channel] = int(grad)
-    tb["recv_slot"][t, device, channel] = slot
-    tb["recv_offset"][t, device, channel] = offset
-    tb["recv_len"][t, device, channel] = length
 
   # Residuals (when not recomputing).
 

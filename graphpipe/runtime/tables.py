@@ -1,0 +1,267 @@
+"""The static tables a pipelined step reads, tick by tick.
+
+Everything here is plain Python over the layout and the schedule: which
+branch each device runs at each tick, which stash slots its action uses,
+and, for every ppermute channel, where the rows a device receives go. Stash
+slots come from interval colouring of each buffered value's lifetime, so a
+device holds only the micro-batches the schedule keeps in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from graphpipe.runtime.layout import Layout, PipelineRuntimeError
+from graphpipe.schedule import Schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Channels:
+  """Device pairs grouped into permutations: one ppermute call each.
+
+  Attributes:
+    groups: per channel, its (source, destination) device pairs.
+    channel_of: (source, destination) -> channel.
+    size: float32 elements of the largest single transfer.
+  """
+
+  groups: tuple[tuple[tuple[int, int], ...], ...]
+  channel_of: dict
+  size: int
+
+
+def make_channels(layout: Layout) -> Channels:
+  """The channels of every transfer of `layout`, both directions."""
+  pairs = []
+  for t in layout.transfers:
+    pairs.append((t.src_device, t.dst_device))  # activations
+    pairs.append((t.dst_device, t.src_device))  # their gradients
+  groups = tuple(tuple(g) for g in color_pairs(pairs))
+  return Channels(
+    groups=groups,
+    channel_of={pair: c for c, group in enumerate(groups) for pair in group},
+    size=max(
+      [1] + [t.rows * layout.edges[t.edge].width for t in layout.transfers]
+    ),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class TickTables:
+  """[ticks, devices(, channels)] int32 arrays and the slot counts.
+
+  Attributes:
+    arrays: 'branch' (0 idle, 1 + 2 i forward / 2 + 2 i backward of the
+      i-th device of `branch_devices`), 'mb', 'act_slot', 'grad_slot',
+      'res_slot', and per channel 'recv_valid', 'recv_grad', 'recv_slot',
+      'recv_offset', 'recv_len'.
+    branch_devices: devices that run a stage, in branch order.
+    act_slots, grad_slots, res_slots: slots needed on any device.
+  """
+
+  arrays: dict
+  branch_devices: tuple[int, ...]
+  act_slots: int
+  grad_slots: int
+  res_slots: int
+
+
+def build_tables(
+  layout: Layout, schedule: Schedule, channels: Channels, recompute: bool
+) -> TickTables:
+  """The tick tables of `schedule` over `layout` (see the module docstring).
+
+  Args:
+    layout: stages, edges and transfers.
+    schedule: the checked schedule.
+    channels: from `make_channels(layout)`.
+    recompute: activations stay stashed until the backward (recompute) or
+      only until the forward (residuals stashed instead).
+  """
+  lay = layout
+  table = schedule_table(schedule)
+  ticks = schedule.ticks()
+  num_ticks, num_devices = table.shape[:2]
+  # (stage, kind, mb) -> tick, for all stages
+  when = {(a.stage, a.kind, a.microbatch): t for a, t in ticks.items()}
+  m = lay.num_microbatches
+  act_life, grad_life, res_life = {}, {}, {}
+  for s in lay.stages:
+    for d in s.devices:
+      for mb in range(m):
+        f_tick, b_tick = when[(s.id, "F", mb)], when[(s.id, "B", mb)]
+        arrivals = [
+          when[(lay.edges[t.edge].src, "F", mb)]
+          for t in lay.transfers
+          if t.dst_device == d
+        ]
+        if arrivals:
+          if max(arrivals) >= f_tick:
+            raise PipelineRuntimeError(
+              f"schedule runs {s.id}F{mb} before its inputs arrive"
+            )
+          end = b_tick if recompute else f_tick
+          act_life[(d, mb)] = (min(arrivals), end)
+        grads = [
+          when[(lay.edges[t.edge].dst, "B", mb)]
+          for t in lay.transfers
+          if t.src_device == d
+        ]
+        if grads:
+          if max(grads) >= b_tick:
+            raise PipelineRuntimeError(
+              f"schedule runs {s.id}B{mb} before its gradients arrive"
+            )
+          grad_life[(d, mb)] = (min(grads), b_tick)
+        if not recompute:
+          res_life[(d, mb)] = (f_tick, b_tick)
+  act_slot, n_act = allocate_slots(act_life)
+  grad_slot, n_grad = allocate_slots(grad_life)
+  res_slot, n_res = allocate_slots(res_life)
+  num_channels = len(channels.groups)
+  shape = (num_ticks, num_devices)
+  arrays = {
+    "branch": np.zeros(shape, np.int32),
+    "mb": np.zeros(shape, np.int32),
+    "act_slot": np.zeros(shape, np.int32),
+    "grad_slot": np.zeros(shape, np.int32),
+    "res_slot": np.zeros(shape, np.int32),
+    "recv_valid": np.zeros(shape + (num_channels,), np.int32),
+    "recv_grad": np.zeros(shape + (num_channels,), np.int32),
+    "recv_slot": np.zeros(shape + (num_channels,), np.int32),
+    "recv_offset": np.zeros(shape + (num_channels,), np.int32),
+    "recv_len": np.zeros(shape + (num_channels,), np.int32),
+  }
+  tb = arrays
+  branch_devices = tuple(sorted(lay.stage_of_device()))
+  branch_id = {d: 1 + 2 * i for i, d in enumerate(branch_devices)}
+  for t in range(num_ticks):
+    for d in range(num_devices):
+      stage, kind, mb = table[t, d]
+      if stage < 0:
+        continue
+      tb["branch"][t, d] = branch_id[d] + kind
+      tb["mb"][t, d] = mb
+      tb["act_slot"][t, d] = act_slot.get((d, mb), 0)
+      tb["grad_slot"][t, d] = grad_slot.get((d, mb), 0)
+      tb["res_slot"][t, d] = res_slot.get((d, mb), 0)
+  for tr in lay.transfers:
+    edge = lay.edges[tr.edge]
+    width = edge.width
+    src_stage, dst_stage = edge.src, edge.dst
+    for mb in range(m):
+      # Activations: sent at the source's F tick, into the receiver's
+      # activation stash.
+      t = when[(src_stage, "F", mb)]
+      c = channels.channel_of[(tr.src_device, tr.dst_device)]
+      _set_recv(
+        arrays,
+        t,
+        tr.dst_device,
+        c,
+        grad=False,
+        slot=act_slot[(tr.dst_device, mb)],
+        offset=lay.in_offsets(dst_stage)[tr.edge] + tr.dst_row * width,
+        length=tr.rows * width,
+      )
+      # Gradients: sent at the receiver's B tick, into the sender's
+      # gradient stash.
+      t = when[(dst_stage, "B", mb)]
+      c = channels.channel_of[(tr.dst_device, tr.src_device)]
+      _set_recv(
+        arrays,
+        t,
+        tr.src_device,
+        c,
+        grad=True,
+        slot=grad_slot[(tr.src_device, mb)],
+        offset=lay.out_offsets(src_stage)[tr.edge] + tr.src_row * width,
+        length=tr.rows * width,
+      )
+  return TickTables(
+    arrays=arrays,
+    branch_devices=branch_devices,
+    act_slots=n_act,
+    grad_slots=n_grad,
+    res_slots=n_res,
+  )
+
+
+def _set_recv(arrays, t, device, channel, *, grad, slot, offset, length):
+  if arrays["recv_valid"][t, device, channel]:
+    raise PipelineRuntimeError(
+      f"two transfers to device {device} on channel {channel} at tick {t}"
+    )
+  arrays["recv_valid"][t, device, channel] = 1
+  arrays["recv_grad"][t, device, channel] = int(grad)
+  arrays["recv_slot"][t, device, channel] = slot
+  arrays["recv_offset"][t, device, channel] = offset
+  arrays["recv_len"][t, device, channel] = length
+
+
+def color_pairs(
+  pairs: Sequence[tuple[int, int]],
+) -> list[list[tuple[int, int]]]:
+  """Groups (src, dst) device pairs into permutations (ppermute calls).
+
+  A bipartite edge colouring: each group has unique sources and unique
+  destinations. Greedy by first fit, enough for pipeline fan-in/fan-out.
+  """
+  groups: list[list[tuple[int, int]]] = []
+  for pair in sorted(set(pairs)):
+    for group in groups:
+      if all(pair[0] != a and pair[1] != b for a, b in group):
+        group.append(pair)
+        break
+    else:
+      groups.append([pair])
+  return groups
+
+
+def allocate_slots(
+  intervals: dict[tuple[int, int], tuple[int, int]],
+) -> tuple[dict[tuple[int, int], int], int]:
+  """Slots for buffered values with lifetimes [start, end] (ticks).
+
+  A slot read at tick t may take a new value written at the end of tick t.
+
+  Args:
+    intervals: (device, micro-batch) -> (first tick written, last tick read).
+
+  Returns:
+    ((device, micro-batch) -> slot, number of slots needed on any device).
+  """
+  by_device: dict[int, list] = {}
+  for (device, mb), (start, end) in intervals.items():
+    by_device.setdefault(device, []).append((start, end, mb))
+  slots, most = {}, 0
+  for device, items in by_device.items():
+    free_at: list[int] = []  # per slot, the tick after which it is free
+    for start, end, mb in sorted(items):
+      for slot, free in enumerate(free_at):
+        if free <= start:
+          free_at[slot] = end
+          break
+      else:
+        slot = len(free_at)
+        free_at.append(end)
+      slots[(device, mb)] = slot
+    most = max(most, len(free_at))
+  return slots, most
+
+
+def schedule_table(schedule: Schedule) -> np.ndarray:
+  """[ticks, devices] of (stage, kind 0=F 1=B, micro-batch), -1 if idle."""
+  table = -np.ones((schedule.num_ticks, schedule.num_devices, 3), np.int32)
+  for d, row in enumerate(schedule.grid):
+    for t, action in enumerate(row):
+      if action is not None:
+        table[t, d] = (
+          action.stage,
+          0 if action.kind == "F" else 1,
+          action.microbatch,
+        )
+  return table
