@@ -24,26 +24,24 @@ share (optimizer, host transfer, loss all-reduce) a larger part of the step
 and shrink the measured ratio (BUILD.md lists a sweep).
 """
 
+import json
 import os
+import statistics
 import sys
+import time
+
+from absl import app, flags
+
+from experiments import common
 
 if __name__ == "__main__" and "GRAPHPIPE_PROCESS_ID" in os.environ:
   # Pin before JAX starts, so XLA sizes its thread pool to this one core.
-  _core = int(os.environ["GRAPHPIPE_PROCESS_ID"]) % os.cpu_count()
-  os.sched_setaffinity(0, {_core})
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-  ).strip()
-
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-from absl import app, flags  # noqa: E402
+  common.pin_to_core(int(os.environ["GRAPHPIPE_PROCESS_ID"]))
 
 
-def _define_flags():
+def define_flags():
+  """This experiment's flags (defined when run, so tests import freely)."""
+  common.define_flags()
   flags.DEFINE_integer("in_features", 256, "Tower input width.")
   flags.DEFINE_integer("hidden", 512, "Tower layer width.")
   flags.DEFINE_integer("tower_layers", 4, "Layers per tower.")
@@ -60,7 +58,7 @@ def _define_flags():
 
 def tower_plans(graph, batch_size, microbatches):
   """(graphpipe, sequential) plans: one tower per device, unchained/chained."""
-  from graphpipe.plan import Plan, Stage, in_flight_counts
+  from graphpipe.core.stages import Plan, Stage, in_flight_counts
 
   component = {}
   for node in graph.nodes:
@@ -111,7 +109,7 @@ def collective_latency(mesh, repeats: int = 50) -> float:
 
 
 def main(argv):
-  del argv
+  common.start(argv)
   from graphpipe.runtime.launch import initialize_from_env, launch
 
   if not initialize_from_env():
@@ -127,12 +125,11 @@ def main(argv):
   import optax
   from jax.sharding import Mesh
 
-  from experiments.plan import environment
   from graphpipe import capture
   from graphpipe.costs import AnalyticCostModel, ProfiledCostModel, measure_cpu
   from graphpipe.models import two_tower
   from graphpipe.runtime import Trainer
-  from graphpipe.simulate import simulate
+  from graphpipe.simulator.engine import simulate
 
   options = flags.FLAGS
   cfg = two_tower.Config(
@@ -159,12 +156,12 @@ def main(argv):
     )
   )
   leader = jax.process_index() == 0
-  say = print if leader else (lambda *a, **k: None)
+  say = common.log if leader else (lambda *a, **k: None)
   say(f"devices: {jax.devices()}, process affinity {os.sched_getaffinity(0)}")
   trainers, states = {}, {}
   batch = two_tower.make_batch(cfg, options.batch_size, seed=0)
   for name, plan in plans.items():
-    say(plan, flush=True)
+    say(str(plan))
     trainers[name] = Trainer(plan, optax.sgd(1e-3), graph=graph)
     states[name] = trainers[name].init(model)
     for _ in range(3):  # compile and warm up
@@ -179,8 +176,7 @@ def main(argv):
       say(
         f"pair {i + 1}/{options.pairs}: sequential "
         f"{times['sequential'][-1] * 1e3:.1f} ms, graphpipe "
-        f"{times['graphpipe'][-1] * 1e3:.1f} ms",
-        flush=True,
+        f"{times['graphpipe'][-1] * 1e3:.1f} ms"
       )
   ratios = [
     s / g for s, g in zip(times["sequential"], times["graphpipe"], strict=True)
@@ -230,11 +226,8 @@ def main(argv):
     "cpu_spec": spec.source,
     "collective_latency_s": latency,
     "setup": "2 processes x 1 CPU device, each pinned to its own core",
-    "environment": environment(),
   }
-  os.makedirs(options.out, exist_ok=True)
-  with open(os.path.join(options.out, "results.json"), "w") as f:
-    json.dump(results, f, indent=1)
+  common.write_results(options.out, results)
   print(
     json.dumps(
       {
@@ -253,5 +246,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _define_flags()
+  define_flags()
   app.run(main)

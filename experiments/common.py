@@ -1,49 +1,249 @@
-"""Pieces several experiments share."""
+"""What every experiment does: devices, environment, results, progress.
 
-from graphpipe.errors import GraphpipeError
-from graphpipe.graph import OpGraph
-from graphpipe.plan import Plan
-from graphpipe.planner import plan
+Importing this module does not import JAX, so an experiment can choose its
+devices at the top of its file, before anything starts JAX:
+
+  from experiments import common
+  if __name__ == "__main__":
+    common.use_cpu_devices(common.int_flag_from_argv("num_devices", 8))
+
+Every experiment is an absl app with the same shape: a `define_flags()`
+that `common.define_flags()` completes (`--quiet`), called only under
+`__main__` (so tests import experiments without flag clashes), and a
+`main(argv)` that calls `common.start(argv)` first. Progress goes through
+absl logging (`common.log`, `common.Progress`) and `--quiet` silences it;
+results are written by `common.write_results`, with the environment record
+beside them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging as std_logging
+import os
+import platform
+import subprocess
+import sys
+import time
+
+from absl import app, flags, logging
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+# XLA flags that should make a CPU device single-threaded. On jax 0.10.2
+# they are not enough on their own (JAX_NOTES): pin the process as well.
+_SINGLE_THREAD_FLAGS = (
+  "--xla_cpu_multi_thread_eigen=false",
+  "intra_op_parallelism_threads=1",
+)
 
 
-def tightest_plan(
-  graph: OpGraph,
-  num_devices: int,
-  batch_size: int,
-  planner: str,
-  device="v100",
-  steps: int = 18,
-) -> Plan:
-  """The planner's plan under the smallest per-device memory that fits.
+def int_flag_from_argv(name: str, default: int) -> int:
+  """An integer flag read from `sys.argv` before absl parses it.
 
-  Small models fit one device, so a planner happily replicates them; under
-  the tightest memory budget it must cut them into as many stages as a real
-  model of their shape would need. Experiments and tests use this to run
-  real pipelines on tiny models. Binary search over the budget (feasibility
-  grows with memory).
+  Needed for what must be decided before JAX starts (device counts).
+
+  Example:
+    >>> int_flag_from_argv("num_devices", 8)   # no --num_devices given
+    8
 
   Args:
-    graph: the operator graph.
-    num_devices: devices the plan may use.
-    batch_size: the mini-batch.
-    planner: 'graphpipe', 'sequential' or 'gpipe'.
-    device: the device preset or spec the planner costs with.
-    steps: bisection steps.
+    name: the flag name without dashes.
+    default: the value when the flag is absent.
   """
-  best = plan(graph, num_devices, batch_size, planner=planner, device=device)
-  low, high = 1.0, 8.0 * graph.totals()["param_bytes"] + 1e6
-  for _ in range(steps):
-    middle = (low + high) / 2
-    try:
-      best = plan(
-        graph,
-        num_devices,
-        batch_size,
-        planner=planner,
-        device=device,
-        memory_bytes=middle,
-      )
-      high = middle
-    except GraphpipeError:
-      low = middle
-  return best
+  for arg in sys.argv[1:]:
+    if arg.startswith(f"--{name}="):
+      try:
+        return int(arg.split("=", 1)[1])
+      except ValueError:
+        raise SystemExit(f"--{name} takes an integer, got {arg}") from None
+  return default
+
+
+def use_cpu_devices(count: int) -> None:
+  """Asks for `count` simulated CPU devices; call before JAX starts.
+
+  Replaces any device count already in `XLA_FLAGS`. On a machine with an
+  accelerator JAX still uses the accelerator; the flag only shapes the CPU
+  platform.
+
+  Example:
+    >>> use_cpu_devices(8)
+    >>> "--xla_force_host_platform_device_count=8" in os.environ["XLA_FLAGS"]
+    True
+
+  Args:
+    count: CPU devices JAX should see.
+  """
+  kept = [
+    f
+    for f in os.environ.get("XLA_FLAGS", "").split()
+    if not f.startswith(_DEVICE_COUNT_FLAG)
+  ]
+  os.environ["XLA_FLAGS"] = " ".join(kept + [f"{_DEVICE_COUNT_FLAG}={count}"])
+
+
+def pin_to_core(core: int) -> None:
+  """Pins this process to one CPU core; call before JAX starts.
+
+  XLA then sizes its thread pools to that core, so one CPU device really
+  uses one core (the single-thread XLA flags alone do not achieve it on
+  jax 0.10.2). Cores are taken modulo the machine's count.
+
+  Example:
+    >>> pin_to_core(0)
+    >>> os.sched_getaffinity(0)
+    {0}
+
+  Args:
+    core: the core index.
+  """
+  os.sched_setaffinity(0, {core % os.cpu_count()})
+  current = os.environ.get("XLA_FLAGS", "").split()
+  extra = [f for f in _SINGLE_THREAD_FLAGS if f not in current]
+  os.environ["XLA_FLAGS"] = " ".join(current + extra)
+
+
+def define_flags() -> None:
+  """The flags every experiment has: `--quiet`."""
+  flags.DEFINE_bool(
+    "quiet", False, "Print no progress lines, only errors and results."
+  )
+
+
+def start(argv) -> None:
+  """The first line of every experiment's `main`: arguments and logging.
+
+  Refuses positional arguments, applies `--quiet`, and keeps JAX's start-up
+  chatter (the probe for accelerators that are not there) out of the
+  output.
+  """
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  quiet = flags.FLAGS["quiet"].value if "quiet" in flags.FLAGS else False
+  logging.set_verbosity(logging.WARNING if quiet else logging.INFO)
+  # The accelerator probe logs at WARNING on machines without one.
+  std_logging.getLogger("jax._src.xla_bridge").setLevel(std_logging.ERROR)
+
+
+def log(text: str) -> None:
+  """One progress line (absl logging; silenced by `--quiet`)."""
+  logging.info(text)
+
+
+class Progress:
+  """Progress of a loop of known length: where it is, elapsed, remaining.
+
+  Example:
+    >>> progress = Progress(3, "epoch")
+    >>> for epoch in range(3):
+    ...   progress.step(f"loss {0.1:.3f}")   # 'epoch 1/3: loss 0.100 ...'
+
+  Args:
+    total: the number of steps.
+    what: what one step is called ('step', 'epoch', 'sweep point', ...).
+  """
+
+  def __init__(self, total: int, what: str = "step"):
+    self.total = max(1, int(total))
+    self.what = what
+    self.done = 0
+    self.begin = time.perf_counter()
+
+  def step(self, note: str = "") -> None:
+    """Marks one more step done and logs it."""
+    self.done += 1
+    elapsed = time.perf_counter() - self.begin
+    left = elapsed / self.done * (self.total - self.done)
+    timing = f"{_seconds(elapsed)} elapsed"
+    if self.done < self.total:
+      timing += f", ~{_seconds(left)} left"
+    text = f"{self.what} {self.done}/{self.total}"
+    log(f"{text}: {note} ({timing})" if note else f"{text} ({timing})")
+
+
+def _seconds(value: float) -> str:
+  if value < 120:
+    return f"{value:.1f} s"
+  return f"{value / 60:.1f} min"
+
+
+def environment() -> dict:
+  """Facts about the machine and software that produced a result."""
+  import jax
+  import numpy
+
+  try:
+    commit = subprocess.run(
+      ["git", "rev-parse", "--short", "HEAD"],
+      capture_output=True,
+      text=True,
+      check=True,
+      timeout=10,
+      cwd=os.path.dirname(os.path.abspath(__file__)),
+    ).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    commit = None
+  return {
+    "python": sys.version.split()[0],
+    "platform": platform.platform(),
+    "cpu_count": os.cpu_count(),
+    "cpu_affinity": sorted(os.sched_getaffinity(0)),
+    "jax": jax.__version__,
+    "numpy": numpy.__version__,
+    "backend": jax.default_backend(),
+    "devices": [str(d) for d in jax.devices()],
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "git_commit": commit,
+    "time_utc": datetime.datetime.now(datetime.UTC).isoformat(),
+  }
+
+
+def write_results(out: str, results: dict, name: str = "results.json") -> str:
+  """Writes `results` (plus `environment` if absent) as JSON under `out`.
+
+  Example:
+    >>> write_results("/tmp/run", {"ratio": 1.2})
+    '/tmp/run/results.json'
+
+  Args:
+    out: the output folder (created).
+    results: a JSON-ready dict.
+    name: the file name.
+
+  Returns:
+    The path written.
+  """
+  os.makedirs(out, exist_ok=True)
+  results.setdefault("environment", environment())
+  path = os.path.join(out, name)
+  with open(path, "w") as f:
+    json.dump(results, f, indent=1)
+  return path
+
+
+def plan_summary(plan, report) -> dict:
+  """The headline figures of a planned and simulated configuration.
+
+  Args:
+    plan: a `graphpipe.Plan`.
+    report: its `graphpipe.Report` (from `graphpipe.simulate`).
+  """
+  return {
+    "planner": plan.planner,
+    "num_devices": plan.num_devices,
+    "num_stages": plan.num_stages,
+    "depth": plan.depth,
+    "batch_size": plan.batch_size,
+    "micro_batch_size": plan.micro_batch_size,
+    "num_microbatches": plan.num_microbatches,
+    "schedule": report.schedule_kind,
+    "iteration_time_s": report.iteration_time_s,
+    "throughput_samples_per_s": report.throughput_samples_per_s,
+    "peak_memory_bytes": report.max_peak_memory_bytes,
+    "memory_capacity_bytes": report.memory_capacity_bytes,
+    "fits_memory": report.fits_memory,
+    "bubble_fraction": report.bubble_fraction,
+    "search_time_s": plan.search_time_s,
+    "bottleneck_time_per_sample": plan.bottleneck_time_per_sample,
+  }

@@ -12,18 +12,18 @@ memory, bubble; per model x devices the graphpipe / sequential and
 graphpipe / best-baseline throughput ratios; config and environment) and,
 with matplotlib, DIR/ratio.png: the graphpipe / sequential ratio against the
 device count, one line per model. The batch size of each configuration is
-`experiments.plan.default_batch_size`. A configuration that a planner cannot
+`graphpipe.models.default_batch_size`. A configuration that a planner cannot
 plan (e.g. no plan fits memory) is recorded with its error and skipped.
 """
 
-import json
 import os
 import time
 
 from absl import app, flags
 
-from experiments import plan as plan_experiment
-from graphpipe import models
+from experiments import common
+from graphpipe import PLANNERS, models, plan_and_simulate
+from graphpipe.costs import device_spec
 from graphpipe.errors import GraphpipeError
 
 BASELINES = ("sequential", "gpipe")
@@ -55,28 +55,25 @@ def compare(
   Returns:
     {'rows': [...], 'ratios': [...]} as written to results.json.
   """
-  from graphpipe import costs
-
   for name in model_names:
     models.get(name)
   for planner in planners:
-    if planner not in plan_experiment.PLANNERS:
+    if planner not in PLANNERS:
       raise GraphpipeError(
-        f"unknown planner {planner!r}: use any of "
-        f"{', '.join(plan_experiment.PLANNERS)}"
+        f"unknown planner {planner!r}: use any of {', '.join(PLANNERS)}"
       )
-  costs.device_spec(device)
+  device_spec(device)
   total = len(model_names) * len(device_counts) * len(planners)
   rows, done = [], 0
   for name in model_names:
     start = time.perf_counter()
-    graph = plan_experiment.capture_zoo(name, config)
-    _progress(
+    graph = models.capture_zoo(name, config)
+    common.log(
       f"captured {name} ({config}): {len(graph.nodes)} nodes in "
       f"{time.perf_counter() - start:.1f} s"
     )
     for num_devices in device_counts:
-      batch_size = plan_experiment.default_batch_size(name, num_devices)
+      batch_size = models.default_batch_size(name, num_devices)
       for planner in planners:
         done += 1
         row = {
@@ -86,14 +83,14 @@ def compare(
           "batch_size": batch_size,
         }
         try:
-          plan, _, report = plan_experiment.plan_and_simulate(
+          plan, _, report = plan_and_simulate(
             graph,
             num_devices=num_devices,
             batch_size=batch_size,
             planner=planner,
             device=device,
           )
-          row.update(plan_experiment.summary(plan, report))
+          row.update(common.plan_summary(plan, report))
           note = (
             f"{report.throughput_samples_per_s:10.4g} samples/s, "
             f"{plan.num_stages} stages, depth {plan.depth}, "
@@ -103,7 +100,7 @@ def compare(
           row["error"] = str(err)
           note = f"no plan: {err}"
         rows.append(row)
-        _progress(
+        common.log(
           f"[{done:>{len(str(total))}}/{total}] {name:<12} "
           f"{num_devices:>3} devices {planner:<10} {note}"
         )
@@ -184,21 +181,16 @@ def plot_ratios(path: str, ratio_rows: list[dict], title: str) -> bool:
   return True
 
 
-def _progress(text: str) -> None:
-  print(text, flush=True)
-
-
-def _define_flags() -> None:
-  """This experiment's flags (defined when run, so helpers import freely)."""
+def define_flags() -> None:
+  """This experiment's flags (defined when run, so tests import freely)."""
+  common.define_flags()
   flags.DEFINE_list(
     "models",
     ["mmt", "dlrm", "candle_uno", "transformer", "two_branch"],
     "Zoo models.",
   )
   flags.DEFINE_list("devices", ["4", "8", "16", "32"], "Device counts.")
-  flags.DEFINE_list(
-    "planners", list(plan_experiment.PLANNERS), "Planners to compare."
-  )
+  flags.DEFINE_list("planners", list(PLANNERS), "Planners to compare.")
   flags.DEFINE_string(
     "device", "v100", "Device preset: v100, a100, h100, h200, cpu."
   )
@@ -208,8 +200,7 @@ def _define_flags() -> None:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  common.start(argv)
   options = flags.FLAGS
   try:
     device_counts = [int(d) for d in options.devices]
@@ -232,17 +223,14 @@ def main(argv):
     "planners": options.planners,
     "device": options.device,
     "config": options.config,
-    "batch_size": "experiments.plan.default_batch_size",
+    "batch_size": "graphpipe.models.default_batch_size",
   }
-  results["environment"] = plan_experiment.environment()
   results["total_time_s"] = time.perf_counter() - start
-  os.makedirs(options.out, exist_ok=True)
-  with open(os.path.join(options.out, "results.json"), "w") as f:
-    json.dump(results, f, indent=1)
+  common.write_results(options.out, results)
   for r in results["ratios"]:
     ratio = r["graphpipe_over_sequential"]
     text = f"{ratio:.3f}" if ratio is not None else "n/a"
-    _progress(
+    print(
       f"{r['model']:<12} {r['num_devices']:>3} devices: graphpipe / "
       f"sequential = {text}"
     )
@@ -250,12 +238,12 @@ def main(argv):
     title = f"simulated throughput ratio ({options.device})"
     path = os.path.join(options.out, "ratio.png")
     if not plot_ratios(path, results["ratios"], title):
-      _progress(
+      common.log(
         "no ratio.png: matplotlib is not installed (pip install matplotlib)"
       )
-  _progress(f"wrote {options.out}/results.json")
+  print(f"wrote {options.out}/results.json")
 
 
 if __name__ == "__main__":
-  _define_flags()
+  define_flags()
   app.run(main)

@@ -14,21 +14,26 @@ import time
 
 from absl import app, flags
 
+from experiments import common
 from graphpipe import models
-from graphpipe.models import capture_zoo
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("model", "two_branch", models.NAMES, "Zoo model.")
-flags.DEFINE_enum("config", "tiny", models.SIZES, "Model size.")
-flags.DEFINE_integer(
-  "batch_size", 8, "Batch size to trace at (figures are per sample)."
-)
-flags.DEFINE_string(
-  "granularity",
-  None,
-  "'layer', 'block' or a module depth; default: the model's capture depth.",
-)
-flags.DEFINE_string("out", None, "Output folder.", required=True)
+
+
+def define_flags() -> None:
+  """This experiment's flags (defined when run, so tests import freely)."""
+  common.define_flags()
+  flags.DEFINE_enum("model", "two_branch", models.NAMES, "Zoo model.")
+  flags.DEFINE_enum("config", "tiny", models.SIZES, "Model size.")
+  flags.DEFINE_integer(
+    "batch_size", 8, "Batch size to trace at (figures are per sample)."
+  )
+  flags.DEFINE_string(
+    "granularity",
+    None,
+    "'layer', 'block' or a module depth; default: the model's capture depth.",
+  )
+  flags.DEFINE_string("out", None, "Output folder.", required=True)
 
 
 def _granularity(text):
@@ -38,9 +43,10 @@ def _granularity(text):
 
 
 def main(argv):
-  del argv
+  common.start(argv)
   start = time.perf_counter()
-  graph = capture_zoo(
+  common.log(f"capturing {FLAGS.model} ({FLAGS.config})")
+  graph = models.capture_zoo(
     FLAGS.model,
     FLAGS.config,
     FLAGS.batch_size,
@@ -78,4 +84,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -15,35 +15,23 @@ Without accelerators it runs on N simulated CPU devices (the flag
 starts). --num_processes=P starts P local processes of N/P devices each.
 """
 
-import os
+import statistics
 import sys
+import time
+
+from absl import app, flags
+
+from experiments import common
+
+if (
+  __name__ == "__main__" and common.int_flag_from_argv("num_processes", 1) == 1
+):
+  common.use_cpu_devices(common.int_flag_from_argv("num_devices", 8))
 
 
-def _flag_from_argv(name: str, default: int) -> int:
-  """An integer flag read before absl parses (JAX must not start first)."""
-  for arg in sys.argv:
-    if arg.startswith(f"--{name}="):
-      return int(arg.split("=", 1)[1])
-  return default
-
-
-if __name__ == "__main__" and _flag_from_argv("num_processes", 1) == 1:
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_force_host_platform_device_count="
-    + str(_flag_from_argv("num_devices", 8))
-  ).strip()
-
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-from absl import app, flags  # noqa: E402
-
-PLANNERS = ("graphpipe", "sequential", "gpipe")
-
-
-def _define_flags():
+def define_flags():
+  """This experiment's flags (defined when run, so tests import freely)."""
+  common.define_flags()
   flags.DEFINE_string("model", "two_branch", "Zoo model.")
   flags.DEFINE_string("config", "tiny", "tiny or paper.")
   flags.DEFINE_integer("num_devices", 8, "Devices in the mesh.")
@@ -70,8 +58,7 @@ def _define_flags():
 
 def make_plan(graph, options):
   """The plan the flags ask for."""
-  from experiments.common import tightest_plan
-  from graphpipe.planner import plan
+  from graphpipe import plan, tightest_plan
 
   memory = options.memory
   if memory == "auto":
@@ -120,16 +107,14 @@ def train(options) -> dict:
   import jax
   import optax
 
-  from experiments.plan import environment
-  from graphpipe import models
-  from graphpipe.runtime import Trainer
+  from graphpipe import Trainer, models
 
   spec = models.get(options.model)
   cfg = models.config(options.model, options.config)
   graph = models.capture_zoo(options.model, options.config, batch_size=4)
   plan = make_plan(graph, options)
   if jax.process_index() == 0:
-    print(plan, flush=True)
+    common.log(str(plan))
   optimizer = {"adam": optax.adam, "sgd": optax.sgd}[options.optimizer](
     options.learning_rate
   )
@@ -152,13 +137,13 @@ def train(options) -> dict:
     "param_bytes_own": memory["param_bytes_own"],
     "param_bytes_held": memory["param_bytes_held"],
     "stash_bytes": memory["stash_bytes"],
-    "environment": environment(),
   }
   if options.verify:
     results["verify_max_rel_error"] = verify(trainer, spec, model, first, graph)
     if jax.process_index() == 0:
       print(f"verify: max relative error {results['verify_max_rel_error']:.2e}")
   losses, times = [], []
+  progress = common.Progress(options.steps, "step")
   for step in range(options.steps):
     batch = spec.make_batch(cfg, options.batch_size, seed=step)
     start = time.perf_counter()
@@ -166,11 +151,7 @@ def train(options) -> dict:
     times.append(time.perf_counter() - start)
     losses.append(metrics["loss"])
     if jax.process_index() == 0:
-      print(
-        f"step {step + 1}/{options.steps}: loss {metrics['loss']:.5f} "
-        f"({times[-1] * 1e3:.1f} ms)",
-        flush=True,
-      )
+      progress.step(f"loss {metrics['loss']:.5f} ({times[-1] * 1e3:.1f} ms)")
   steady = times[1:] or times
   results.update(
     loss=losses,
@@ -181,8 +162,7 @@ def train(options) -> dict:
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  common.start(argv)
   options = flags.FLAGS
   from graphpipe.errors import GraphpipeError
   from graphpipe.runtime.launch import initialize_from_env, launch
@@ -207,9 +187,7 @@ def main(argv):
   import jax
 
   if jax.process_index() == 0:
-    os.makedirs(options.out, exist_ok=True)
-    with open(os.path.join(options.out, "results.json"), "w") as f:
-      json.dump(results, f, indent=1)
+    common.write_results(options.out, results)
     print(
       f"median step {results['step_time_s'] * 1e3:.1f} ms, "
       f"{results['samples_per_s']:.1f} samples/s, compile "
@@ -218,5 +196,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _define_flags()
+  define_flags()
   app.run(main)

@@ -1,43 +1,83 @@
 """graphpipe: graph pipeline parallelism for JAX / Flax.
 
-graph = graphpipe.capture(loss_fn, model, batch)   # an operator DAG
-print(graph)                                       # node table
+  graph = graphpipe.capture(loss_fn, model, batch)   # an operator DAG
+  plan = graphpipe.plan(graph, num_devices=8, batch_size=64)
+  report = graphpipe.simulate(plan, graph)           # samples/s, memory
+  trainer = graphpipe.Trainer(plan, optax.adam(1e-3))
+
+The package is layered, lowest first; a layer imports only those below it:
+`core` (graph and plan data types), `frontend` (capture), `costs` (cost
+models), `schedules`, `simulator`, `planning`, `runtime`. The model zoo,
+`graphpipe.models`, sits beside them and is not imported here.
 """
 
-from graphpipe import models
-from graphpipe.capture import capture
+from graphpipe.core.graph import Edge, InputSpec, Node, OpGraph
+from graphpipe.core.stages import Plan, Stage
 from graphpipe.errors import (
   CaptureError,
+  CostModelError,
+  DecompositionError,
   GraphCutError,
+  GraphError,
   GraphFormatError,
   GraphpipeError,
+  LaunchError,
+  ModelConfigError,
+  NodeNotFoundError,
+  PipelineRuntimeError,
+  PlanError,
+  PlotsUnavailableError,
+  ScheduleError,
+  SimulationError,
 )
-from graphpipe.graph import Edge, InputSpec, Node, OpGraph
-from graphpipe.plan import Plan, Stage
-from graphpipe.planner import PlanError, plan
+from graphpipe.frontend.tracer import capture
+from graphpipe.planning.search import (
+  PLANNERS,
+  plan,
+  plan_and_simulate,
+  tightest_plan,
+)
+from graphpipe.planning.validate import check_plan
 from graphpipe.runtime import Trainer, TrainState
-from graphpipe.schedule import Schedule, check_schedule, schedule_for
-from graphpipe.simulate import simulate
+from graphpipe.schedules.builders import schedule_for
+from graphpipe.schedules.checker import check_schedule
+from graphpipe.schedules.grid import Action, Schedule
+from graphpipe.simulator.engine import Report, simulate
 
 __all__ = [
+  "PLANNERS",
+  "Action",
   "CaptureError",
+  "CostModelError",
+  "DecompositionError",
   "Edge",
   "GraphCutError",
+  "GraphError",
   "GraphFormatError",
   "GraphpipeError",
   "InputSpec",
+  "LaunchError",
+  "ModelConfigError",
   "Node",
+  "NodeNotFoundError",
   "OpGraph",
+  "PipelineRuntimeError",
   "Plan",
   "PlanError",
+  "PlotsUnavailableError",
+  "Report",
   "Schedule",
+  "ScheduleError",
+  "SimulationError",
   "Stage",
   "TrainState",
   "Trainer",
   "capture",
+  "check_plan",
   "check_schedule",
-  "models",
   "plan",
+  "plan_and_simulate",
   "schedule_for",
   "simulate",
+  "tightest_plan",
 ]

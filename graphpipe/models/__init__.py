@@ -25,7 +25,9 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
-from graphpipe.errors import GraphpipeError
+from graphpipe.core.graph import OpGraph
+from graphpipe.errors import ModelConfigError
+from graphpipe.frontend.tracer import capture
 from graphpipe.models import (
   candle_uno,
   dlrm,
@@ -129,12 +131,12 @@ def get(name: str) -> ModelSpec:
     name: one of `NAMES`.
 
   Raises:
-    GraphpipeError: `name` is not a zoo model.
+    ModelConfigError: `name` is not a zoo model.
   """
   try:
     return _SPECS[name]
   except KeyError:
-    raise GraphpipeError(
+    raise ModelConfigError(
       f"unknown model {name!r}; known models: {', '.join(NAMES)}"
     ) from None
 
@@ -152,7 +154,7 @@ def config(name: str, size: str = "paper"):
   """
   spec = get(name)
   if size not in SIZES:
-    raise GraphpipeError(
+    raise ModelConfigError(
       f"unknown config size {size!r} for {name!r}; use one of {SIZES}"
     )
   return getattr(spec.config_cls, size)()
@@ -178,7 +180,7 @@ def build(name: str, config, *, seed: int = 0, abstract: bool = False):
   """
   spec = get(name)
   if not isinstance(config, spec.config_cls):
-    raise GraphpipeError(
+    raise ModelConfigError(
       f"build({name!r}, ...) needs a {spec.config_cls.__module__}.Config, "
       f"got {type(config).__module__}.{type(config).__name__}; "
       f"see graphpipe.models.config({name!r}, 'tiny')"
@@ -204,4 +206,64 @@ def num_params(model: nnx.Module) -> int:
   return sum(math.prod(leaf.shape) for leaf in leaves)
 
 
-from graphpipe.models.zoo_capture import capture_zoo as capture_zoo  # noqa: E402
+# Devices per Summit node: the unit the paper's 4 to 32 GPU sweep scales by.
+NODE_SIZE = 4
+
+
+def default_batch_size(name: str, num_devices: int) -> int:
+  """The mini-batch of model `name` on `num_devices` devices.
+
+  The zoo's `default_batch_size` is the mini-batch of one 4-GPU Summit
+  node, and larger runs scale it with the device count as the paper's 4 to
+  32 GPU sweep does (weak scaling): B = default x max(N, 4) / 4. The
+  two-branch case study is one fixed configuration (B = 8).
+
+  Example:
+    >>> default_batch_size("mmt", 16)      # zoo default 64 per 4 devices
+    256
+
+  Args:
+    name: one of `NAMES`.
+    num_devices: devices the plan may use.
+  """
+  spec = get(name)
+  if not spec.scale_batch:  # the case study: one fixed configuration
+    return spec.default_batch_size
+  return spec.default_batch_size * max(num_devices, NODE_SIZE) // NODE_SIZE
+
+
+def capture_zoo(
+  name: str,
+  size: str = "tiny",
+  batch_size: int | None = None,
+  granularity=None,
+  costs: bool = True,
+) -> OpGraph:
+  """Captures zoo model `name` at size `size` on abstract weights.
+
+  Example:
+    >>> graph = capture_zoo("candle_uno", "paper")
+    >>> len(graph.sources())
+    7
+
+  Args:
+    name: one of `NAMES`.
+    size: 'paper' or 'tiny'.
+    batch_size: batch size to trace at; per-sample figures do not depend on
+      it (default 8).
+    granularity: as in `graphpipe.capture`; default the model's depth.
+    costs: measure per-node FLOPs and bytes.
+  """
+  spec = get(name)
+  cfg = config(name, size)
+  model = build(name, cfg, abstract=True)
+  batch = spec.abstract_batch(cfg, batch_size or 8)
+  return capture(
+    spec.loss_fn,
+    model,
+    batch,
+    granularity=granularity or spec.capture_depth,
+    costs=costs,
+    name=name,
+    config=size,
+  )

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from graphpipe.errors import GraphpipeError
+from graphpipe.errors import ModelConfigError
 from graphpipe.models import synthetic
 from graphpipe.models.layers import MLP, ZooConfig
 
@@ -137,7 +137,7 @@ class Model(nnx.Module):
     self, dense: Sequence[jax.Array], sparse: Sequence[jax.Array]
   ) -> jax.Array:
     if len(dense) != len(self.dense) or len(sparse) != len(self.sparse):
-      raise GraphpipeError(
+      raise ModelConfigError(
         f"the model has {len(self.dense)} dense and {len(self.sparse)} "
         f"sparse branches but got {len(dense)} and {len(sparse)} inputs"
       )

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from graphpipe.errors import GraphpipeError
+from graphpipe.errors import ModelConfigError
 
 
 def check_sizes(config) -> None:
@@ -34,7 +34,7 @@ def check_sizes(config) -> None:
     value = getattr(config, field.name)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       owner = type(config).__module__.rsplit(".", 1)[-1]
-      raise GraphpipeError(
+      raise ModelConfigError(
         f"{owner}.{type(config).__name__}.{field.name} must be a positive "
         f"int, got {value!r}"
       )
@@ -74,7 +74,7 @@ class TransformerConfig(ZooConfig):
   def __post_init__(self):
     super().__post_init__()
     if self.hidden % self.num_heads:
-      raise GraphpipeError(
+      raise ModelConfigError(
         f"hidden={self.hidden} is not divisible by num_heads="
         f"{self.num_heads}; pick a head count that divides the width"
       )
@@ -124,7 +124,7 @@ def feed_forward_layers(
     `activate_last` is false).
   """
   if len(sizes) < 2:
-    raise GraphpipeError(
+    raise ModelConfigError(
       f"a feed-forward stack needs at least one layer, got widths {sizes}"
     )
   pairs = list(zip(sizes[:-1], sizes[1:], strict=True))
@@ -158,10 +158,10 @@ def concat_branches(
     kind: what the inputs are, for the error message ('modality', ...).
 
   Raises:
-    GraphpipeError: the counts of branches and inputs differ.
+    ModelConfigError: the counts of branches and inputs differ.
   """
   if len(inputs) != len(branches):
-    raise GraphpipeError(
+    raise ModelConfigError(
       f"the model has {len(branches)} branches but got "
       f"{len(inputs)} {kind} inputs"
     )
@@ -221,7 +221,7 @@ class SelfAttention(nnx.Module):
 
   def __init__(self, hidden: int, num_heads: int, *, rngs: nnx.Rngs):
     if hidden % num_heads:
-      raise GraphpipeError(
+      raise ModelConfigError(
         f"hidden width {hidden} is not divisible by {num_heads} heads"
       )
     self.num_heads = num_heads

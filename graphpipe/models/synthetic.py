@@ -12,7 +12,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from graphpipe.errors import GraphpipeError
+from graphpipe.errors import ModelConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Field:
   def __post_init__(self):
     integer = np.issubdtype(self.dtype, np.integer)
     if integer != (self.high is not None):
-      raise GraphpipeError(
+      raise ModelConfigError(
         f"a {np.dtype(self.dtype).name} field needs "
         f"{'an' if integer else 'no'} upper bound `high`, got {self.high}"
       )

@@ -15,15 +15,11 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from graphpipe.errors import GraphpipeError
+from graphpipe.errors import LaunchError
 
 ENV_COORDINATOR = "GRAPHPIPE_COORDINATOR"
 ENV_NUM_PROCESSES = "GRAPHPIPE_NUM_PROCESSES"
 ENV_PROCESS_ID = "GRAPHPIPE_PROCESS_ID"
-
-
-class LaunchError(GraphpipeError):
-  """A launched process failed or timed out."""
 
 
 def free_port() -> int:

@@ -17,15 +17,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from graphpipe.errors import GraphpipeError
-from graphpipe.graph import OpGraph
-from graphpipe.plan import Plan
-from graphpipe.program import Program
-from graphpipe.schedule import Schedule
-
-
-class PipelineRuntimeError(GraphpipeError):
-  """A plan, schedule or graph that the runtime cannot execute."""
+from graphpipe.core.graph import OpGraph
+from graphpipe.core.stages import Plan
+from graphpipe.errors import PipelineRuntimeError
+from graphpipe.frontend.program import Program
+from graphpipe.schedules.grid import Schedule
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from graphpipe.errors import PipelineRuntimeError
 from graphpipe.runtime.layout import ValueSpec
 
 _BITCAST = ("int32", "uint32")
@@ -66,7 +67,10 @@ def unpack_leaves(flat, avals):
 def pad_to(x, size: int):
   """`x` (1-D) zero-padded to `size` elements."""
   if x.shape[0] > size:
-    raise ValueError(f"{x.shape[0]} elements do not fit in {size}")
+    raise PipelineRuntimeError(
+      f"{x.shape[0]} elements do not fit in a buffer of {size}: the layout "
+      "and the values disagree"
+    )
   return jnp.pad(x, (0, size - x.shape[0]))
 
 

@@ -31,11 +31,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from graphpipe.program import Program
+from graphpipe.errors import PipelineRuntimeError
+from graphpipe.frontend.program import Program
 from graphpipe.runtime import packing
-from graphpipe.runtime.layout import Layout, PipelineRuntimeError
+from graphpipe.runtime.layout import Layout
 from graphpipe.runtime.tables import build_tables, make_channels
-from graphpipe.schedule import Schedule
+from graphpipe.schedules.grid import Schedule
 
 AXIS = "pipe"
 

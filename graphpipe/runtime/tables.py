@@ -14,8 +14,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from graphpipe.runtime.layout import Layout, PipelineRuntimeError
-from graphpipe.schedule import Schedule
+from graphpipe.errors import PipelineRuntimeError
+from graphpipe.runtime.layout import Layout
+from graphpipe.schedules.grid import Schedule
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,12 +15,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from graphpipe.graph import OpGraph
-from graphpipe.plan import Plan
+from graphpipe.core.graph import OpGraph
+from graphpipe.core.stages import Plan
+from graphpipe.errors import PipelineRuntimeError
 from graphpipe.runtime import packing
-from graphpipe.runtime.layout import PipelineRuntimeError, build_layout
+from graphpipe.runtime.layout import build_layout
 from graphpipe.runtime.step import AXIS, StepBuilder
-from graphpipe.schedule import check_schedule, schedule_for
+from graphpipe.schedules.builders import schedule_for
+from graphpipe.schedules.checker import check_schedule
 
 
 class TrainState(NamedTuple):
@@ -260,7 +262,7 @@ class Trainer:
     )
 
   def _signature(self) -> dict:
-    from graphpipe.costs import graph_fingerprint
+    from graphpipe.core.fingerprint import graph_fingerprint
 
     return {
       "graph": graph_fingerprint(self.graph),
@@ -405,7 +407,7 @@ def _default_mesh(num_devices: int) -> Mesh:
 def _check_fingerprint(plan: Plan, graph: OpGraph):
   if not plan.graph_fingerprint:
     return
-  from graphpipe.costs import graph_fingerprint
+  from graphpipe.core.fingerprint import graph_fingerprint
 
   if plan.graph_fingerprint != graph_fingerprint(graph):
     raise PipelineRuntimeError(

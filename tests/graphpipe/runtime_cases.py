@@ -8,8 +8,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from experiments.common import tightest_plan
-from graphpipe import models
+from graphpipe import models, tightest_plan
 from graphpipe.costs import device_spec
 from graphpipe.models import capture_zoo
 

@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 import graphpipe
+from graphpipe.core.graph import OpGraph
 from graphpipe.errors import CaptureError, GraphCutError, GraphpipeError
-from graphpipe.graph import OpGraph
 
 
 class Block(nnx.Module):

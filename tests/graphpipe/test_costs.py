@@ -10,9 +10,12 @@ from flax import nnx
 
 import graphpipe
 from graphpipe import costs
+from graphpipe.core.fingerprint import graph_fingerprint
+from graphpipe.core.graph import Edge, Node, OpGraph
+from graphpipe.core.memory import stage_memory_bytes
+from graphpipe.costs.profiled import _interpolate
 from graphpipe.errors import GraphpipeError
-from graphpipe.graph import Edge, Node, OpGraph
-from graphpipe.plan import stage_memory_bytes
+from graphpipe.planning.stage_costs import StageCosts
 
 FF = 4096
 
@@ -144,14 +147,14 @@ def test_optimizer_time_is_seven_passes(v100):
 def test_fingerprint_tracks_structure_and_costs():
   graph = chain_graph([ff_node(0), ff_node(1)])
   same = OpGraph.from_dict(graph.to_dict())
-  assert costs.graph_fingerprint(graph) == costs.graph_fingerprint(same)
+  assert graph_fingerprint(graph) == graph_fingerprint(same)
   heavier = chain_graph([ff_node(0), ff_node(1, width=2 * FF)])
-  assert costs.graph_fingerprint(graph) != costs.graph_fingerprint(heavier)
+  assert graph_fingerprint(graph) != graph_fingerprint(heavier)
 
 
 def test_stage_costs_follow_the_memory_rule(v100):
   graph = chain_graph([block_node(i) for i in range(4)])
-  table = costs.StageCosts(graph, v100, 64, 8, 16 * 2**30)
+  table = StageCosts(graph, v100, 64, 8, 16 * 2**30)
   nodes = (0, 1)
   cap = table.in_flight_capacity(nodes, 8, 2)
   assert stage_memory_bytes(graph, nodes, 4, cap) <= 16 * 2**30
@@ -168,7 +171,7 @@ def test_stage_costs_follow_the_memory_rule(v100):
 
 def test_stage_costs_without_memory_limit(v100):
   graph = chain_graph([block_node(0)])
-  table = costs.StageCosts(graph, v100, 8, 1, float("inf"))
+  table = StageCosts(graph, v100, 8, 1, float("inf"))
   assert table.in_flight_capacity((0,), 8, 1) > 1000
 
 
@@ -217,5 +220,5 @@ def test_profiling_needs_a_program(tiny_graph, tmp_path):
 
 def test_interpolation_is_piecewise_linear():
   sizes, times = (1, 4, 16), (1.0, 2.5, 7.0)
-  values = [costs._interpolate(sizes, times, x) for x in (1, 2, 4, 10, 32)]
+  values = [_interpolate(sizes, times, x) for x in (1, 2, 4, 10, 32)]
   np.testing.assert_allclose(values, [1.0, 1.5, 2.5, 4.75, 13.0])

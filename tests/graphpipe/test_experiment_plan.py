@@ -52,7 +52,7 @@ def test_plan_writes_every_output(tmp_path):
     f"--out={tmp_path}",
   )
   assert done.returncode == 0, done.stderr[-3000:]
-  assert "[4/4] wrote" in done.stdout
+  assert "[4/4] wrote" in done.stdout + done.stderr
   results = json.loads((tmp_path / "results.json").read_text())
   assert RESULT_KEYS <= set(results)
   assert results["planner"] == "graphpipe"
@@ -95,7 +95,7 @@ def test_compare_planners_writes_ratios(tmp_path):
     f"--out={tmp_path}",
   )
   assert done.returncode == 0, done.stderr[-3000:]
-  assert "[12/12]" in done.stdout
+  assert "[12/12]" in done.stdout + done.stderr
   results = json.loads((tmp_path / "results.json").read_text())
   assert len(results["rows"]) == 2 * 2 * 3
   pairs = {(r["model"], r["num_devices"]) for r in results["ratios"]}

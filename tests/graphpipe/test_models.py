@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from graphpipe import models, scopes
+from graphpipe import models
 from graphpipe.errors import GraphpipeError
+from graphpipe.frontend import scopes
 from graphpipe.models import candle_uno, dlrm, mmt, transformer, two_tower
 
 ROOT = "<root>"

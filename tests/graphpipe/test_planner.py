@@ -1,4 +1,4 @@
-"""Tests of graphpipe.planner and graphpipe.baselines."""
+"""Tests of graphpipe.planning: the planners and the baselines."""
 
 import dataclasses
 import time
@@ -7,11 +7,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphpipe import baselines, costs, planner
-from graphpipe.errors import GraphpipeError
-from graphpipe.graph import Edge, Node, OpGraph
-from graphpipe.planner import PlanError, check_plan, plan
-from graphpipe.simulate import simulate
+from graphpipe import costs
+from graphpipe.core.fingerprint import graph_fingerprint
+from graphpipe.core.graph import Edge, Node, OpGraph
+from graphpipe.core.stages import Plan
+from graphpipe.errors import GraphpipeError, PlanError
+from graphpipe.planning import baselines
+from graphpipe.planning.assemble import spend_spare_devices
+from graphpipe.planning.candidates import Partition
+from graphpipe.planning.search import PLANNERS, plan
+from graphpipe.planning.stage_costs import StageCosts, estimate_iteration_time
+from graphpipe.planning.validate import check_plan
+from graphpipe.simulator.engine import simulate
 
 SEQ, HIDDEN, FF = 256, 1024, 4096
 V100 = costs.AnalyticCostModel(costs.device_spec("v100"))
@@ -105,18 +112,18 @@ def transformer(layers=8) -> OpGraph:
   return branchy([[block(f"l{i}") for i in range(layers)]], glue("head"))
 
 
-def throughput(p: planner.Plan, graph: OpGraph) -> float:
+def throughput(p: Plan, graph: OpGraph) -> float:
   return simulate(p, graph, V100).throughput_samples_per_s
 
 
-@pytest.mark.parametrize("kind", planner.PLANNERS)
+@pytest.mark.parametrize("kind", PLANNERS)
 @pytest.mark.parametrize("num_devices", [1, 3, 8])
 def test_plans_are_valid(kind, num_devices):
   graph = candle_like(3)
   p = plan(graph, num_devices, 32, planner=kind)
   check_plan(p, graph, V100.memory_bytes)
   assert p.planner == kind and p.device == "v100"
-  assert p.graph_fingerprint == costs.graph_fingerprint(graph)
+  assert p.graph_fingerprint == graph_fingerprint(graph)
   assert p.search_time_s > 0 and p.bottleneck_time_per_sample > 0
 
 
@@ -214,17 +221,17 @@ def test_bad_arguments_are_refused():
 
 def test_spare_devices_go_to_the_bottleneck():
   graph = transformer(2)
-  table = costs.StageCosts(graph, V100, 16, 4, V100.memory_bytes)
-  part = planner.Partition((((0,), 1), ((1, 2), 1)), micro_batch_size=4)
-  spent = planner.spend_spare_devices(graph, part, table)
+  table = StageCosts(graph, V100, 16, 4, V100.memory_bytes)
+  part = Partition((((0,), 1), ((1, 2), 1)), micro_batch_size=4)
+  spent = spend_spare_devices(graph, part, table)
   assert sum(k for _, k in spent.stages) > 2
 
 
 def test_estimate_tracks_the_simulator():
   graph = candle_like(3)
-  for kind in planner.PLANNERS:
+  for kind in PLANNERS:
     p = plan(graph, 8, 64, planner=kind)
-    estimate = costs.estimate_iteration_time(p, graph, V100)
+    estimate = estimate_iteration_time(p, graph, V100)
     simulated = simulate(p, graph, V100).iteration_time_s
     assert estimate == pytest.approx(simulated, rel=0.12)
 
@@ -263,7 +270,7 @@ def random_graphs(draw):
   random_graphs(),
   st.integers(1, 6),
   st.sampled_from([4, 6, 8]),
-  st.sampled_from(planner.PLANNERS),
+  st.sampled_from(PLANNERS),
   st.sampled_from([0.3e9, 2e9, 16e9]),
 )
 def test_every_plan_is_valid(graph, devices, batch, kind, memory):

@@ -8,8 +8,8 @@ import numpy as np
 import optax
 import pytest
 
+from graphpipe.core.stages import Plan, Stage
 from graphpipe.errors import GraphpipeError
-from graphpipe.plan import Plan, Stage
 from graphpipe.runtime import Trainer
 from graphpipe.runtime.launch import launch
 from tests.graphpipe import runtime_cases as rc

@@ -10,18 +10,12 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from graphpipe.graph import Edge, Node, OpGraph
-from graphpipe.plan import Plan, Stage, in_flight_counts
-from graphpipe.schedule import (
-  Action,
-  Schedule,
-  ScheduleError,
-  check_schedule,
-  format_grid,
-  gpipe,
-  one_f_one_b,
-  schedule_for,
-)
+from graphpipe.core.graph import Edge, Node, OpGraph
+from graphpipe.core.stages import Plan, Stage, in_flight_counts
+from graphpipe.errors import ScheduleError
+from graphpipe.schedules.builders import gpipe, one_f_one_b, schedule_for
+from graphpipe.schedules.checker import check_schedule
+from graphpipe.schedules.grid import Action, Schedule, format_grid
 
 FEW = settings(
   max_examples=25,

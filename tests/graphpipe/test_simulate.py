@@ -9,10 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphpipe import trace
-from graphpipe.plan import stage_memory_bytes
-from graphpipe.schedule import gpipe, one_f_one_b, schedule_for
-from graphpipe.simulate import SimulationError, simulate
+from graphpipe.core.memory import stage_memory_bytes
+from graphpipe.errors import SimulationError
+from graphpipe.schedules.builders import gpipe, one_f_one_b, schedule_for
+from graphpipe.simulator import timeline as trace
+from graphpipe.simulator.engine import simulate
 from tests.graphpipe.test_schedule import (
   FEW,
   chain,
@@ -195,9 +196,9 @@ def test_lockstep_matches_tick_by_tick_count():
   # Two chained stages, 4 micro-batches, backward twice the forward: the
   # lock-step 1F1B grid has 2 forward-only ticks and 8 ticks holding a
   # backward, so (2 f + 8 b); the asynchronous pipeline needs (m+p-1)(f+b).
-  from graphpipe.graph import Edge, Node, OpGraph
-  from graphpipe.plan import Plan, Stage
-  from graphpipe.simulate import simulate
+  from graphpipe.core.graph import Edge, Node, OpGraph
+  from graphpipe.core.stages import Plan, Stage
+  from graphpipe.simulator.engine import simulate
 
   class Fixed:
     memory_bytes = 1e12

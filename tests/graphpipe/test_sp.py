@@ -5,8 +5,8 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from graphpipe import sp
-from graphpipe.graph import Edge, Node, OpGraph
+from graphpipe.core.graph import Edge, Node, OpGraph
+from graphpipe.planning import sp
 
 
 def dag(n, edges) -> sp.Dag:

@@ -17,8 +17,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from graphpipe.graph import OpGraph
-from graphpipe.plan import CostModel, Plan, stage_memory_bytes
+from graphpipe.core.cost_model import CostModel
+from graphpipe.core.graph import OpGraph
+from graphpipe.core.memory import stage_memory_bytes
+from graphpipe.core.stages import Plan
 
 
 class StageCosts:

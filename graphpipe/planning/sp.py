@@ -35,12 +35,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 
-from graphpipe.errors import GraphpipeError
-from graphpipe.graph import OpGraph
-
-
-class DecompositionError(GraphpipeError):
-  """A graph the series-parallel decomposition cannot read."""
+from graphpipe.core.graph import OpGraph
+from graphpipe.errors import DecompositionError
 
 
 @dataclasses.dataclass(frozen=True)

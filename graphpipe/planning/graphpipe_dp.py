@@ -21,18 +21,20 @@
     and the smallest D with g(root, D, 0) <= num_devices.
 
 Parallel branches are ordered by work, so that grouping neighbours groups
-similar branches. This module flattens the tree into candidate stages and
-runs the searches (`graphpipe.partition.frontier`); the DP itself is
-`graphpipe.dp_solver.DPSolver`.
+similar branches. The tree's candidate stages are numbered by
+`graphpipe.planning.stage_tree.StageTree`; this module prices them and runs
+the searches (`graphpipe.planning.candidates.frontier`); the DP itself is
+`graphpipe.planning.dp_solver.DPSolver`.
 """
 
 from __future__ import annotations
 
-from graphpipe import sp
-from graphpipe.dp_solver import DPSolver
-from graphpipe.graph import OpGraph
-from graphpipe.partition import Partition, frontier
-from graphpipe.stage_costs import StageCosts
+from graphpipe.core.graph import OpGraph
+from graphpipe.planning import sp
+from graphpipe.planning.candidates import Partition, frontier
+from graphpipe.planning.dp_solver import DPSolver
+from graphpipe.planning.stage_costs import StageCosts
+from graphpipe.planning.stage_tree import StageTree
 
 # A glue node is merged into a neighbour when it does under 1% of an average
 # node's FLOPs and its weights (with gradients and Adam state) take under
@@ -91,81 +93,8 @@ class GraphPipePartitioner:
     self.costs = costs
     merge = light_nodes(graph, costs.memory_bytes)
     dag = sp.contract(graph, merge) if merge else sp.Dag.of(graph)
-    self.tree = sp.decompose(dag)
-    self._build(dag)
-
-  def _build(self, dag: sp.Dag) -> None:
-    """Flattens the tree into arrays; numbers every candidate stage.
-
-    Candidate stages: a leaf; a range of a series node's children; a range
-    of (two or more) neighbouring branches of a parallel node; and, after a
-    parallel node inside a series, a range of the following children that
-    also absorbs the tail of one branch (how a join shares a stage with the
-    last layers of one branch instead of needing a device of its own).
-    """
-    work = [n.fwd_flops + n.bwd_flops for n in self.costs.graph.nodes]
-    self.kind, self.children, self.depth = [], [], []
-    self.base_nodes: list[tuple[int, ...]] = []
-    self.leaf_base: dict[int, int] = {}
-    self.range_base: dict[tuple[int, int, int], int] = {}
-    # (series x, first child s, last child j) -> [(branch i, cut c, base)]
-    self.absorb_base: dict[tuple[int, int, int], list] = {}
-    self.prefix_depth: dict[int, list[int]] = {}
-    self.nodes: list[tuple[int, ...]] = []
-
-    def add(tree) -> int:
-      x = len(self.kind)
-      self.kind.append(tree.kind)
-      self.children.append([])
-      self.depth.append(tree.depth)
-      self.nodes.append(
-        tuple(sorted(n for v in tree.vertices for n in dag.groups[v]))
-      )
-      kids = list(tree.children)
-      ids = [add(c) for c in kids]
-      if tree.kind == "parallel":
-        ids.sort(key=lambda c: -sum(work[n] for n in self.nodes[c]))
-      self.children[x] = ids
-      if tree.kind == "leaf":
-        self.leaf_base[x] = self._new_base(self.nodes[x])
-        return x
-      for j in range(len(ids)):
-        for s in range(j + 1):
-          if tree.kind == "parallel" and s == j:
-            continue  # a lone branch is covered by its own sub-problem
-          self.range_base[(x, s, j)] = self._new_base(
-            self._union(ids[s : j + 1])
-          )
-      if tree.kind == "series":
-        self.prefix_depth[x] = list(_running_sum([self.depth[c] for c in ids]))
-        self._absorbing_stages(x, ids)
-      return x
-
-    self.root = add(self.tree)
-
-  def _absorbing_stages(self, x: int, ids: list[int]) -> None:
-    for p, par in enumerate(ids[:-1]):
-      if self.kind[par] != "parallel":
-        continue
-      for j in range(p + 1, len(ids)):
-        after = self._union(ids[p + 1 : j + 1])
-        options = []
-        for i, branch in enumerate(self.children[par]):
-          parts = (
-            self.children[branch] if self.kind[branch] == "series" else [branch]
-          )
-          # Longest tails last, so the DP can stop at the first misfit.
-          for c in reversed(range(len(parts))):
-            nodes = tuple(sorted(after + self._union(parts[c:])))
-            options.append((i, c, self._new_base(nodes)))
-        self.absorb_base[(x, p + 1, j)] = options
-
-  def _union(self, ids) -> tuple[int, ...]:
-    return tuple(sorted(n for c in ids for n in self.nodes[c]))
-
-  def _new_base(self, nodes: tuple[int, ...]) -> int:
-    self.base_nodes.append(nodes)
-    return len(self.base_nodes) - 1
+    work = [n.fwd_flops + n.bwd_flops for n in graph.nodes]
+    self.tree = StageTree.build(sp.decompose(dag), dag, work)
 
   def __call__(self, micro_batch: int) -> list[Partition]:
     """Frontier partitions for micro-batch size `micro_batch` (maybe [])."""
@@ -175,7 +104,7 @@ class GraphPipePartitioner:
     ]
     options = []
     targets = set()
-    for nodes in self.base_nodes:
+    for nodes in self.tree.base_nodes:
       row = []
       for k in counts:
         cap = costs.in_flight_capacity(nodes, micro_batch, k)
@@ -184,15 +113,11 @@ class GraphPipePartitioner:
           row.append((k, tps, cap))
           targets.add(tps)
       options.append(row)
-    solver = DPSolver(self, options)
+    solver = DPSolver(self.tree, options, costs.num_devices)
     found = frontier(
-      sorted(targets), self.depth[self.root], solver.feasible, solver.solve
+      sorted(targets),
+      self.tree.depth[self.tree.root],
+      solver.feasible,
+      solver.solve,
     )
     return [Partition(tuple(stages), micro_batch) for stages in found]
-
-
-def _running_sum(values):
-  total = 0
-  for v in values:
-    total += v
-    yield total

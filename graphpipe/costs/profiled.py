@@ -17,9 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from graphpipe.analytic import AnalyticCostModel, CostModelError, best_time
-from graphpipe.fingerprint import graph_fingerprint
-from graphpipe.graph import Node, OpGraph
+from graphpipe.core.fingerprint import graph_fingerprint
+from graphpipe.core.graph import Node, OpGraph
+from graphpipe.costs.analytic import AnalyticCostModel, best_time
+from graphpipe.errors import CostModelError
 
 
 def _random_inputs(avals, seed: int) -> list:

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from graphpipe.costs import StageCosts
-from graphpipe.graph import OpGraph
-from graphpipe.partition import Partition, frontier
+from graphpipe.core.graph import OpGraph
+from graphpipe.planning.candidates import Partition, frontier
+from graphpipe.planning.stage_costs import StageCosts
 
 _INF = 1 << 40
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from graphpipe.program import NodeProgram, Program
+from graphpipe.frontend.program import NodeProgram, Program
 
 FIELDS = (
   "fwd_flops",

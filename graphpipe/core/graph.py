@@ -18,7 +18,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from graphpipe.errors import GraphFormatError, GraphpipeError
+from graphpipe.errors import GraphError, GraphFormatError, NodeNotFoundError
 
 FORMAT_VERSION = 1
 
@@ -150,22 +150,22 @@ class OpGraph:
   def _validate(self):
     ids = [n.id for n in self.nodes]
     if ids != list(range(len(ids))):
-      raise GraphpipeError(
+      raise GraphError(
         f"node ids must be 0..{len(ids) - 1} in order, got {ids[:10]}..."
       )
     seen = set()
     for e in self.edges:
       if not (0 <= e.src < e.dst < len(ids)):
-        raise GraphpipeError(
+        raise GraphError(
           f"edge {e.src}->{e.dst} does not go forward between existing "
           "nodes: ids must be a topological order"
         )
       if (e.src, e.dst) in seen:
-        raise GraphpipeError(f"duplicate edge {e.src}->{e.dst}")
+        raise GraphError(f"duplicate edge {e.src}->{e.dst}")
       seen.add((e.src, e.dst))
     for i in self.loss_nodes:
       if not 0 <= i < len(ids):
-        raise GraphpipeError(f"loss node {i} is not a node of the graph")
+        raise GraphError(f"loss node {i} is not a node of the graph")
 
   # Structure.
 
@@ -181,11 +181,11 @@ class OpGraph:
     return list(self._pred[node])
 
   def edge(self, src: int, dst: int) -> Edge:
-    """The edge src -> dst (KeyError if absent)."""
+    """The edge src -> dst (`NodeNotFoundError`, a KeyError, if absent)."""
     for e in self.edges:
       if e.src == src and e.dst == dst:
         return e
-    raise KeyError((src, dst))
+    raise NodeNotFoundError(f"the graph has no edge {src}->{dst}")
 
   def sources(self) -> list[int]:
     """Nodes with no predecessor."""
@@ -200,7 +200,10 @@ class OpGraph:
     for n in self.nodes:
       if n.name == name:
         return n
-    raise KeyError(name)
+    known = ", ".join(n.name for n in self.nodes[:5])
+    raise NodeNotFoundError(
+      f"no node is called {name!r}; the graph's nodes are {known}, ..."
+    )
 
   def totals(self) -> dict[str, float]:
     """Sums over nodes: per-sample FLOPs and bytes, parameter bytes, ..."""
@@ -355,7 +358,7 @@ class OpGraph:
 
   def _require_program(self):
     if self.program is None:
-      raise GraphpipeError(
+      raise GraphError(
         "this graph has no executable program (it was loaded from JSON): "
         "capture the model with graphpipe.capture to run it"
       )

@@ -15,7 +15,7 @@
 
 import jax
 
-from graphpipe.scopes import module_chain
+from graphpipe.frontend.scopes import module_chain
 
 
 def _inner_chains(eqn, framework):

@@ -6,7 +6,7 @@ import dataclasses
 import hashlib
 import json
 
-from graphpipe.graph import OpGraph
+from graphpipe.core.graph import OpGraph
 
 
 def graph_fingerprint(graph: OpGraph) -> str:

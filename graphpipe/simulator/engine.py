@@ -30,24 +30,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from graphpipe import trace
-from graphpipe.errors import GraphpipeError
-from graphpipe.graph import OpGraph
-from graphpipe.plan import CostModel, Plan, stage_memory_bytes
-from graphpipe.schedule import (
-  BACKWARD,
-  FORWARD,
-  Action,
-  Schedule,
-  check_schedule,
-  schedule_for,
-)
+from graphpipe.core.cost_model import CostModel
+from graphpipe.core.graph import OpGraph
+from graphpipe.core.memory import stage_memory_bytes
+from graphpipe.core.stages import Plan
+from graphpipe.costs.analytic import AnalyticCostModel, device_spec
+from graphpipe.errors import SimulationError
+from graphpipe.schedules.builders import schedule_for
+from graphpipe.schedules.checker import check_schedule
+from graphpipe.schedules.grid import BACKWARD, FORWARD, Action, Schedule
+from graphpipe.simulator import timeline
 
 _BUSY = ("forward", "backward", "allreduce", "optimizer")
-
-
-class SimulationError(GraphpipeError):
-  """A plan, graph and schedule that do not fit together."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +69,7 @@ class Report:
       updating.
     bubble_fraction: idle fraction of the used devices' time.
     device_stages: per device, the stage it runs (None: unused).
-    events: the timeline (see `graphpipe.trace`).
+    events: the timeline (see `graphpipe.simulator.timeline`).
   """
 
   planner: str
@@ -89,7 +83,7 @@ class Report:
   busy_time_s: tuple[float, ...]
   bubble_fraction: float
   device_stages: tuple[int | None, ...]
-  events: tuple[trace.TraceEvent, ...] = dataclasses.field(repr=False)
+  events: tuple[timeline.TraceEvent, ...] = dataclasses.field(repr=False)
 
   @property
   def max_peak_memory_bytes(self) -> float:
@@ -122,11 +116,11 @@ class Report:
 
   def trace(self) -> dict:
     """The timeline in Chrome/Perfetto's trace format."""
-    return trace.chrome_trace(self.events, self.track_names(), self._facts())
+    return timeline.chrome_trace(self.events, self.track_names(), self._facts())
 
   def save_trace(self, path: str) -> None:
     """Writes `trace()` as JSON (open it in https://ui.perfetto.dev)."""
-    trace.save_chrome_trace(
+    timeline.save_chrome_trace(
       path, self.events, self.track_names(), self._facts()
     )
 
@@ -137,7 +131,7 @@ class Report:
       f"{self.iteration_time_s * 1e3:.3g} ms/iteration, bubble "
       f"{self.bubble_fraction:.0%}"
     )
-    trace.save_gantt(path, self.events, self.track_names(), title)
+    timeline.save_gantt(path, self.events, self.track_names(), title)
 
   def _facts(self) -> dict:
     return {
@@ -188,12 +182,7 @@ def simulate(
       of each stage starting as soon as its inputs arrive.
   """
   if cost_model is None:
-    # costs imports JAX; a caller with its own cost model never needs it.
-    from graphpipe import costs
-
-    cost_model = costs.AnalyticCostModel(
-      costs.device_spec(plan.device or "v100")
-    )
+    cost_model = AnalyticCostModel(device_spec(plan.device or "v100"))
   if schedule is None:
     schedule = schedule_for(plan)
   else:
@@ -209,7 +198,7 @@ def simulate(
     for kind, k in ((FORWARD, "fwd"), (BACKWARD, "bwd"))
   }
   edge_bytes = _stage_edge_bytes(plan, graph)
-  events: list[trace.TraceEvent] = []
+  events: list[timeline.TraceEvent] = []
   stage_free = [0.0] * num_stages
   link_free: dict[tuple[int, int], float] = {}
   arrival: dict[Action, float] = {}
@@ -233,7 +222,7 @@ def simulate(
       if duration > 0:
         what = "act" if action.kind == FORWARD else "grad"
         events.append(
-          trace.TraceEvent(
+          timeline.TraceEvent(
             f"{what} {action} {src}->{dst}",
             "transfer",
             link[1],
@@ -260,7 +249,7 @@ def simulate(
     stage_free[stage] = start + duration
     for device in plan.stages[stage].devices:
       events.append(
-        trace.TraceEvent(
+        timeline.TraceEvent(
           str(action),
           "forward" if action.kind == FORWARD else "backward",
           device,
@@ -297,7 +286,7 @@ def simulate(
     for name, duration in steps:
       for device in stage.devices:
         events.append(
-          trace.TraceEvent(
+          timeline.TraceEvent(
             f"{name} {stage.id}",
             name,
             device,

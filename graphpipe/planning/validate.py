@@ -6,10 +6,11 @@ the schedule, the simulator and the runtime rely on.
 
 from __future__ import annotations
 
-from graphpipe.graph import OpGraph
-from graphpipe.partition import PlanError
-from graphpipe.plan import Plan, in_flight_counts, stage_memory_bytes
-from graphpipe.stage_costs import StageCosts
+from graphpipe.core.graph import OpGraph
+from graphpipe.core.memory import stage_memory_bytes
+from graphpipe.core.stages import Plan, in_flight_counts
+from graphpipe.errors import PlanError
+from graphpipe.planning.stage_costs import StageCosts
 
 
 def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:

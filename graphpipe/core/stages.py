@@ -6,9 +6,9 @@ over the stage's devices and gradients are all-reduced once per iteration),
 and an in-flight count: how many micro-batches' activations it keeps stashed
 under 1F1B, n(sink) = 1, n(s) = 1 + max over successors t of n(t).
 
-Planners (`graphpipe.planner`, `graphpipe.baselines`) make plans; the
-scheduler, simulator and runtime read them. The memory rule below is shared
-by the planners and the simulator so that both count the same bytes.
+Planners (`graphpipe.planning`) make plans; the schedules, the simulator and
+the runtime read them. What a stage costs in memory is
+`graphpipe.core.memory`.
 """
 
 from __future__ import annotations
@@ -16,36 +16,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
-from typing import Protocol
 
-from graphpipe.errors import GraphpipeError
-from graphpipe.graph import Node, OpGraph
-
-# Adam keeps two fp32 moments per parameter; with the weights and their
-# gradients a parameter costs four times its own bytes.
-DEFAULT_OPTIMIZER_SLOTS = 2
-
-
-class CostModel(Protocol):
-  """What planners and the simulator ask of a cost model (all in seconds)."""
-
-  memory_bytes: float  # capacity of one device
-
-  def node_time(self, node: Node, batch: int, kind: str) -> float:
-    """Compute time of `node` on `batch` samples; kind is 'fwd' or 'bwd'."""
-    ...
-
-  def transfer_time(self, num_bytes: float, src: int, dst: int) -> float:
-    """Point-to-point time to move `num_bytes` from device src to dst."""
-    ...
-
-  def allreduce_time(self, num_bytes: float, devices: Sequence[int]) -> float:
-    """Time of an all-reduce of `num_bytes` over `devices`."""
-    ...
-
-  def optimizer_time(self, param_bytes: float) -> float:
-    """Time of the optimizer update of `param_bytes` of parameters."""
-    ...
+from graphpipe.core.graph import OpGraph
+from graphpipe.errors import GraphFormatError, PlanError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,29 +142,39 @@ class Plan:
 
   @classmethod
   def from_dict(cls, d: dict) -> Plan:
-    fields = {f.name for f in dataclasses.fields(cls)} - {"graph"}
-    kwargs = {k: v for k, v in d.items() if k in fields}
-    kwargs["stages"] = tuple(
-      Stage(
-        id=s["id"],
-        nodes=tuple(s["nodes"]),
-        devices=tuple(s["devices"]),
-        micro_batch_size=s["micro_batch_size"],
-        in_flight=s["in_flight"],
+    """Inverse of `to_dict` (the graph is not restored)."""
+    try:
+      fields = {f.name for f in dataclasses.fields(cls)} - {"graph"}
+      kwargs = {k: v for k, v in d.items() if k in fields}
+      kwargs["stages"] = tuple(
+        Stage(
+          id=s["id"],
+          nodes=tuple(s["nodes"]),
+          devices=tuple(s["devices"]),
+          micro_batch_size=s["micro_batch_size"],
+          in_flight=s["in_flight"],
+        )
+        for s in d["stages"]
       )
-      for s in d["stages"]
-    )
-    kwargs["stage_edges"] = tuple(tuple(e) for e in d["stage_edges"])
-    return cls(**kwargs)
+      kwargs["stage_edges"] = tuple(tuple(e) for e in d["stage_edges"])
+      return cls(**kwargs)
+    except (KeyError, TypeError, AttributeError) as err:
+      raise GraphFormatError(f"not a graphpipe plan: {err!r}") from err
 
   def save(self, path: str) -> None:
+    """Writes the plan as JSON (without the graph)."""
     with open(path, "w") as f:
       json.dump(self.to_dict(), f, indent=1)
 
   @classmethod
   def load(cls, path: str) -> Plan:
-    with open(path) as f:
-      return cls.from_dict(json.load(f))
+    """Reads a plan written by `save`."""
+    try:
+      with open(path) as f:
+        data = json.load(f)
+    except json.JSONDecodeError as err:
+      raise GraphFormatError(f"{path} is not JSON: {err}") from err
+    return cls.from_dict(data)
 
 
 def in_flight_counts(
@@ -205,28 +188,9 @@ def in_flight_counts(
   for s in reversed(range(num_stages)):
     succ = [b for a, b in stage_edges if a == s]
     if any(b <= s for b in succ):
-      raise GraphpipeError("stage ids must be a topological order")
+      raise PlanError(
+        f"stage ids must be a topological order: stage {s} has an edge "
+        f"to {min(succ)}"
+      )
     counts[s] = 1 + max((counts[b] for b in succ), default=0)
   return counts
-
-
-def stage_memory_bytes(
-  graph: OpGraph,
-  nodes: Sequence[int],
-  micro_batch_per_device: float,
-  in_flight: int,
-  optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS,
-) -> float:
-  """Peak bytes one device of a stage holds.
-
-  Weights, gradients and optimizer slots of the stage's parameters (each a
-  copy of the parameter bytes), its non-trainable state, and the saved
-  activations of `in_flight` micro-batches of `micro_batch_per_device`
-  samples. Every device of a data-parallel stage holds a full replica.
-  """
-  params = sum(graph.nodes[i].param_bytes for i in nodes)
-  state = sum(graph.nodes[i].state_bytes for i in nodes)
-  saved = sum(
-    graph.nodes[i].cost("saved_bytes", micro_batch_per_device) for i in nodes
-  )
-  return params * (2 + optimizer_slots) + state + saved * in_flight

@@ -10,12 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from graphpipe.errors import GraphpipeError
-
-
-class PlanError(GraphpipeError):
-  """No valid plan exists for the graph, devices, batch and memory given."""
-
 
 @dataclasses.dataclass(frozen=True)
 class Partition:

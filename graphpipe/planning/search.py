@@ -5,24 +5,18 @@
 Every planner answers the same question for each micro-batch size b (powers
 of two dividing the batch, or the sizes given): which stages, on how many
 devices each, minimise the bottleneck stage's time per sample
-(`graphpipe.costs.StageCosts`) within the memory budget, and, among those,
-have the fewest micro-batches in flight at the source. Each returns that
-plan plus the fastest plans under a few smaller depth bounds (a shallower
-pipeline with more data parallelism has a shorter warm-up). `plan` then
-gives spare devices where they shorten the iteration, places stages on
+(`graphpipe.planning.stage_costs.StageCosts`) within the memory budget, and,
+among those, have the fewest micro-batches in flight at the source. Each
+returns that plan plus the fastest plans under a few smaller depth bounds (a
+shallower pipeline with more data parallelism has a shorter warm-up). `plan`
+then gives spare devices where they shorten the iteration, places stages on
 devices, derives stage edges and in-flight counts, and keeps the candidate
-with the shortest estimated iteration (`costs.estimate_iteration_time`);
+with the shortest estimated iteration (`estimate_iteration_time`);
 candidates within 10% of the best are simulated (`graphpipe.simulate`, the
 schedule the plan will run) and the fastest wins.
 
-Modules, in the order of the data flow:
-
-  graphpipe.partition     `Partition`, `PlanError`, the depth frontier
-  graphpipe.partitioner   the GraphPipe partitioner (DP over the SP tree)
-  graphpipe.dp_solver     its memoised DP for one target time
-  graphpipe.baselines     the sequential and GPipe partitioners
-  graphpipe.assemble      spare devices, device placement, the `Plan`
-  graphpipe.plan_check    `check_plan`: is a plan valid for its graph
+Also here: `tightest_plan` (the plan under the smallest memory that fits,
+to make small models really pipeline) and `plan_and_simulate`.
 """
 
 from __future__ import annotations
@@ -32,37 +26,32 @@ import math
 import time
 from collections.abc import Callable, Sequence
 
-from graphpipe import baselines
-from graphpipe.assemble import assemble, place_devices, spend_spare_devices
+from graphpipe.core.cost_model import CostModel
+from graphpipe.core.fingerprint import graph_fingerprint
+from graphpipe.core.graph import OpGraph
+from graphpipe.core.memory import stage_memory_bytes
+from graphpipe.core.stages import Plan
 from graphpipe.costs import (
   AnalyticCostModel,
   DeviceSpec,
-  StageCosts,
+  ProfiledCostModel,
   device_spec,
-  estimate_iteration_time,
-  graph_fingerprint,
 )
-from graphpipe.graph import OpGraph
-from graphpipe.partition import DEPTH_GRID, Partition, PlanError, frontier
-from graphpipe.partitioner import GraphPipePartitioner, light_nodes
-from graphpipe.plan import CostModel, Plan, stage_memory_bytes
-from graphpipe.plan_check import check_plan
-from graphpipe.simulate import simulate
+from graphpipe.errors import PlanError
+from graphpipe.planning import baselines
+from graphpipe.planning.assemble import assemble, spend_spare_devices
+from graphpipe.planning.candidates import Partition
+from graphpipe.planning.graphpipe_dp import GraphPipePartitioner
+from graphpipe.planning.stage_costs import StageCosts, estimate_iteration_time
+from graphpipe.schedules.builders import schedule_for
+from graphpipe.schedules.grid import Schedule
+from graphpipe.simulator.engine import Report, simulate
 
 __all__ = [
-  "DEPTH_GRID",
   "PLANNERS",
-  "GraphPipePartitioner",
-  "Partition",
-  "Plan",
-  "PlanError",
-  "assemble",
-  "check_plan",
-  "frontier",
-  "light_nodes",
-  "place_devices",
   "plan",
-  "spend_spare_devices",
+  "plan_and_simulate",
+  "tightest_plan",
 ]
 
 PLANNERS = ("graphpipe", "sequential", "gpipe")
@@ -257,3 +246,96 @@ def _peak_memory(p: Plan, graph: OpGraph) -> float:
     )
     for s in p.stages
   )
+
+
+def tightest_plan(
+  graph: OpGraph,
+  num_devices: int,
+  batch_size: int,
+  planner: str = "graphpipe",
+  device: str | DeviceSpec = "v100",
+  steps: int = 18,
+) -> Plan:
+  """The planner's plan under the smallest per-device memory that fits.
+
+  Small models fit one device, so a planner happily replicates them; under
+  the tightest memory budget it must cut them into as many stages as a real
+  model of their shape would need. Experiments and tests use this to run
+  real pipelines on tiny models. Binary search over the budget (feasibility
+  grows with memory).
+
+  Example:
+    >>> graph = capture_zoo("two_branch", "tiny")
+    >>> tightest_plan(graph, 8, 8).num_stages > 1
+    True
+
+  Args:
+    graph: the operator graph.
+    num_devices: devices the plan may use.
+    batch_size: the mini-batch.
+    planner: one of `PLANNERS`.
+    device: the device preset or spec the planner costs with.
+    steps: bisection steps.
+  """
+  best = plan(graph, num_devices, batch_size, planner=planner, device=device)
+  low, high = 1.0, 8.0 * graph.totals()["param_bytes"] + 1e6
+  for _ in range(steps):
+    middle = (low + high) / 2
+    try:
+      best = plan(
+        graph,
+        num_devices,
+        batch_size,
+        planner=planner,
+        device=device,
+        memory_bytes=middle,
+      )
+      high = middle
+    except PlanError:
+      low = middle
+  return best
+
+
+def plan_and_simulate(
+  graph: OpGraph,
+  *,
+  num_devices: int,
+  batch_size: int,
+  planner: str = "graphpipe",
+  device: str = "v100",
+  profiled: bool = False,
+) -> tuple[Plan, Schedule, Report]:
+  """Plans `graph`, builds the plan's schedule and simulates one iteration.
+
+  Example:
+    >>> graph = capture_zoo("two_branch", "tiny")
+    >>> p, schedule, report = plan_and_simulate(
+    ...   graph, num_devices=4, batch_size=8, planner="graphpipe",
+    ...   device="v100")
+    >>> report.iteration_time_s > 0
+    True
+
+  Args:
+    graph: the captured model.
+    num_devices: devices the plan may use.
+    batch_size: samples per iteration.
+    planner: one of `PLANNERS`.
+    device: a device preset of `graphpipe.costs` ('v100', 'a100', ...).
+    profiled: time every node on this machine's device (cached on disk)
+      instead of the analytic estimate; the preset still gives links,
+      memory and the optimizer. Meaningful when the preset describes the
+      device at hand (e.g. 'cpu' here, 'h200' on an H200).
+  """
+  cost_model = AnalyticCostModel(device_spec(device))
+  if profiled:
+    cost_model = ProfiledCostModel(graph, cost_model)
+  chosen = plan(
+    graph,
+    num_devices,
+    batch_size,
+    planner=planner,
+    device=device,
+    cost_model=cost_model,
+  )
+  schedule = schedule_for(chosen)
+  return chosen, schedule, simulate(chosen, graph, cost_model, schedule)

@@ -44,8 +44,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from graphpipe.errors import GraphpipeError
-from graphpipe.graph import Node
+from graphpipe.core.graph import Node
+from graphpipe.errors import CostModelError
 
 # Elements per streaming multiprocessor at which a kernel reaches half its
 # peak efficiency (calibrated on the paper's case study, module docstring).
@@ -57,10 +57,6 @@ _ADAM_PASSES = 7
 # and losses have tiny outputs but spread their inputs over the device).
 _MIN_EFFICIENCY_SHARE = 0.02
 _BYTES_PER_ELEMENT = 4
-
-
-class CostModelError(GraphpipeError):
-  """A device preset, dtype or profile that the cost model cannot use."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,8 @@ import functools
 import jax
 from flax import nnx
 
+from graphpipe.errors import CaptureError
+
 # Marks the scopes this module adds, so user scopes inside NNX modules are
 # not mistaken for module boundaries.
 MARK = "gp:"
@@ -100,4 +102,7 @@ def module_chain(name_stack, framework: str) -> tuple[str, ...]:
     for name in names[1:]:
       chain.append(f"{chain[-1]}.{name}" if chain else name)
     return tuple(chain)
-  raise ValueError(f"unknown framework {framework!r}")
+  raise CaptureError(
+    f"unknown framework {framework!r}: module paths are read for 'nnx' or "
+    "'linen' models"
+  )

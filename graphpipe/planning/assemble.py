@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from graphpipe import sp
-from graphpipe.graph import OpGraph
-from graphpipe.partition import Partition, PlanError
-from graphpipe.plan import CostModel, Plan, Stage, in_flight_counts
-from graphpipe.stage_costs import StageCosts
+from graphpipe.core.cost_model import CostModel
+from graphpipe.core.graph import OpGraph
+from graphpipe.core.stages import Plan, Stage, in_flight_counts
+from graphpipe.errors import PlanError
+from graphpipe.planning import sp
+from graphpipe.planning.candidates import Partition
+from graphpipe.planning.stage_costs import StageCosts
 
 
 def spend_spare_devices(

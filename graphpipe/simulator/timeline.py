@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from graphpipe.errors import GraphpipeError
+from graphpipe.errors import PlotsUnavailableError
 
 COMPUTE_LANE = "compute"
 
@@ -27,10 +27,6 @@ _COLOURS = {
   "optimizer": "#7f7f7f",
   "transfer": "#9467bd",
 }
-
-
-class PlotsUnavailableError(GraphpipeError):
-  """A plot was asked for but matplotlib (the 'plots' extra) is missing."""
 
 
 @dataclasses.dataclass(frozen=True)

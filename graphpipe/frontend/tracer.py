@@ -18,12 +18,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from graphpipe import node_costs
+from graphpipe.core.graph import Edge, InputSpec, Node, OpGraph
 from graphpipe.errors import CaptureError, GraphCutError
-from graphpipe.graph import Edge, InputSpec, Node, OpGraph
-from graphpipe.grouping import Grouping, labels_of, loss_terms, name_nodes, runs
-from graphpipe.program import Program
-from graphpipe.scopes import nnx_module_scopes, path_to_str
+from graphpipe.frontend import node_costs
+from graphpipe.frontend.grouping import (
+  Grouping,
+  labels_of,
+  loss_terms,
+  name_nodes,
+  runs,
+)
+from graphpipe.frontend.program import Program
+from graphpipe.frontend.scopes import nnx_module_scopes, path_to_str
 
 
 def _key_name(key) -> str:

@@ -1,18 +1,15 @@
 """The memoised DP of the GraphPipe partitioner, for one target time.
 
-For a target bottleneck time per sample t, `DPSolver.g(X, D, d)` is the
-fewest devices that split sub-tree X into stages within t, with at most D
-stages on any path and d stages after X (the recurrence is written out in
-`graphpipe.partitioner`'s docstring); `feasible` and `solve` are what
-`graphpipe.partition.frontier` searches with.
+For a target bottleneck time per sample t, `DPSolver.min_devices(X, D, d)`
+is the fewest devices that split sub-tree X into stages within t, with at
+most D stages on any path and d stages after X (the recurrence is written
+out in `graphpipe.planning.graphpipe_dp`'s docstring); `feasible` and
+`solve` are what `graphpipe.planning.candidates.frontier` searches with.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-  from graphpipe.partitioner import GraphPipePartitioner
+from graphpipe.planning.stage_tree import StageTree
 
 _INF = 1 << 40
 
@@ -23,22 +20,23 @@ class DPSolver:
   Memo tables hold for one target; asking for another target clears them.
 
   Example:
-    >>> solver = DPSolver(partitioner, options)
+    >>> solver = DPSolver(tree, options, num_devices=8)
     >>> solver.feasible(target, max_depth=8)
     True
     >>> depth, stages = solver.solve(target, max_depth=8)
 
   Args:
-    dp: the partitioner whose flattened tree and candidate stages to use.
-    options: per candidate stage (`dp.base_nodes`), the (device count,
+    tree: the flattened series-parallel tree and its candidate stages.
+    options: per candidate stage (`tree.base_nodes`), the (device count,
       time per sample, in-flight capacity) triples that fit memory, device
       counts rising.
+    num_devices: devices available.
   """
 
-  def __init__(self, dp: GraphPipePartitioner, options):
-    self.dp = dp
+  def __init__(self, tree: StageTree, options, num_devices: int):
+    self.tree = tree
     self.options = options
-    self.num_devices = dp.costs.num_devices
+    self.num_devices = num_devices
     self.target = None
 
   def _retarget(self, target: float) -> None:
@@ -50,16 +48,16 @@ class DPSolver:
   def feasible(self, target: float, max_depth: int) -> bool:
     """Whether stages within t and max_depth fit the devices."""
     self._retarget(target)
-    return self.g(self.dp.root, max_depth, 0)[0] <= self.num_devices
+    return self.min_devices(self.tree.root, max_depth, 0)[0] <= self.num_devices
 
   def solve(self, target: float, max_depth: int):
     """(depth, stages) of the shallowest feasible plan within max_depth."""
     self._retarget(target)
-    root = self.dp.root
+    root = self.tree.root
     low, high = 1, max_depth
     while low < high:
       middle = (low + high) // 2
-      if self.g(root, middle, 0)[0] <= self.num_devices:
+      if self.min_devices(root, middle, 0)[0] <= self.num_devices:
         high = middle
       else:
         low = middle + 1
@@ -80,27 +78,28 @@ class DPSolver:
       self.base_memo[key] = found
     return found
 
-  def g(self, x: int, depth: int, after: int) -> tuple[int, tuple]:
-    depth = min(depth, self.dp.depth[x])
-    kind = self.dp.kind[x]
+  def min_devices(self, x: int, depth: int, after: int) -> tuple[int, tuple]:
+    """(fewest devices, choice) for vertex x, depth bound, d stages after."""
+    depth = min(depth, self.tree.depth[x])
+    kind = self.tree.kind[x]
     if kind == "leaf":
-      k = self.base(self.dp.leaf_base[x], after + 1)
-      return k, ("base", self.dp.leaf_base[x], k)
+      k = self.base(self.tree.leaf_base[x], after + 1)
+      return k, ("base", self.tree.leaf_base[x], k)
     if kind == "series":
-      return self.series(x, len(self.dp.children[x]) - 1, depth, after)
+      return self.series(x, len(self.tree.children[x]) - 1, depth, after)
     return self.parallel(x, depth, after)
 
   def series(self, x: int, j: int, depth: int, after: int):
     """Children 0..j of series node x (the DP runs from the sink back)."""
     if j < 0:
       return 0, None
-    depth = min(depth, self.dp.prefix_depth[x][j])
+    depth = min(depth, self.tree.prefix_depth[x][j])
     key = ("s", x, j, depth, after)
     if key in self.memo:
       return self.memo[key]
     best, choice = _INF, None
     for s in range(j, -1, -1):
-      base_id = self.dp.range_base[(x, s, j)]
+      base_id = self.tree.range_base[(x, s, j)]
       k = self.base(base_id, after + 1)
       if k >= _INF:
         if self.base(base_id, 1) >= _INF:
@@ -119,11 +118,11 @@ class DPSolver:
           rest = self.trimmed(x, s - 1, i, c, depth - 1, after + 1)[0]
           if k2 + rest < best:
             best, choice = k2 + rest, ("absorb", s, i, c, absorb_id, k2)
-    child = self.dp.children[x][j]
-    if self.dp.kind[child] != "leaf":
-      top = min(depth, self.dp.depth[child])
+    child = self.tree.children[x][j]
+    if self.tree.kind[child] != "leaf":
+      top = min(depth, self.tree.depth[child])
       for inner in range(top, 0, -1) if j > 0 else (top,):
-        own = self.g(child, inner, after)[0]
+        own = self.min_devices(child, inner, after)[0]
         if own >= _INF:
           break  # less depth for the child cannot help
         if j == 0:
@@ -139,7 +138,7 @@ class DPSolver:
 
   def _absorbing(self, x: int, s: int, j: int, after: int):
     """Feasible stages of children s..j plus one branch tail before s."""
-    options = self.dp.absorb_base.get((x, s, j), ())
+    options = self.tree.absorb_base.get((x, s, j), ())
     last_branch, skip = None, False
     for i, c, absorb_id in options:
       if i != last_branch:
@@ -158,9 +157,9 @@ class DPSolver:
     key = ("t", x, p, i, c, depth, after)
     if key in self.memo:
       return self.memo[key]
-    par = self.dp.children[x][p]
+    par = self.tree.children[x][p]
     best, choice = _INF, None
-    for inner in range(min(depth, self.dp.depth[par]), 0, -1):
+    for inner in range(min(depth, self.tree.depth[par]), 0, -1):
       own = self.parallel(par, inner, after, (i, c))[0]
       if own >= _INF:
         break
@@ -182,20 +181,20 @@ class DPSolver:
     key = ("p", x, depth, after, trim)
     if key in self.memo:
       return self.memo[key]
-    kids = self.dp.children[x]
+    kids = self.tree.children[x]
     cover = [0] + [_INF] * len(kids)
     back: list[tuple | None] = [None] * (len(kids) + 1)
     for i, kid in enumerate(kids):
       if trim is not None and trim[0] == i:
         own = self._head(kid, trim[1], depth, after)
       else:
-        own = self.g(kid, depth, after)[0]
+        own = self.min_devices(kid, depth, after)[0]
       if cover[i] + own < cover[i + 1]:
         cover[i + 1], back[i + 1] = cover[i] + own, ("branch", i)
       for s in range(i - 1, -1, -1):
         if trim is not None and s <= trim[0] <= i:
           break  # a cut branch cannot share a stage with its neighbours
-        base_id = self.dp.range_base[(x, s, i)]
+        base_id = self.tree.range_base[(x, s, i)]
         k = self.base(base_id, after + 1)
         if k >= _INF:
           if self.base(base_id, 1) >= _INF:
@@ -215,19 +214,19 @@ class DPSolver:
 
   def _collect(self, x: int, depth: int, after: int, out: list) -> None:
     """Appends the stages of g(x, depth, after) to `out` (tree order)."""
-    depth = min(depth, self.dp.depth[x])
-    kind = self.dp.kind[x]
+    depth = min(depth, self.tree.depth[x])
+    kind = self.tree.kind[x]
     if kind == "leaf":
-      _, (_, base_id, k) = self.g(x, depth, after)
-      out.append((self.dp.base_nodes[base_id], k))
+      _, (_, base_id, k) = self.min_devices(x, depth, after)
+      out.append((self.tree.base_nodes[base_id], k))
     elif kind == "series":
-      self._collect_series(x, len(self.dp.children[x]) - 1, depth, after, out)
+      self._collect_series(x, len(self.tree.children[x]) - 1, depth, after, out)
     else:
       self._collect_parallel(x, depth, after, None, out)
 
   def _collect_parallel(self, x, depth, after, trim, out) -> None:
     _, back = self.parallel(x, depth, after, trim)
-    kids = self.dp.children[x]
+    kids = self.tree.children[x]
     parts = []
     i = len(kids)
     while i > 0:
@@ -240,7 +239,7 @@ class DPSolver:
         i = step[1]
     for part in reversed(parts):
       if part[0] == "group":
-        out.append((self.dp.base_nodes[part[1]], part[2]))
+        out.append((self.tree.base_nodes[part[1]], part[2]))
       elif trim is not None and part[1] == trim[0]:
         if trim[1] > 0:
           self._collect_series(kids[part[1]], trim[1] - 1, depth, after, out)
@@ -248,26 +247,26 @@ class DPSolver:
         self._collect(kids[part[1]], depth, after, out)
 
   def _collect_series(self, x, j, depth, after, out) -> None:
-    depth = min(depth, self.dp.prefix_depth[x][j])
+    depth = min(depth, self.tree.prefix_depth[x][j])
     _, choice = self.series(x, j, depth, after)
     if choice[0] == "stage":
       _, s, base_id, k = choice
       if s > 0:
         self._collect_series(x, s - 1, depth - 1, after + 1, out)
-      out.append((self.dp.base_nodes[base_id], k))
+      out.append((self.tree.base_nodes[base_id], k))
     elif choice[0] == "absorb":
       _, s, i, c, absorb_id, k = choice
       self._collect_trimmed(x, s - 1, i, c, depth - 1, after + 1, out)
-      out.append((self.dp.base_nodes[absorb_id], k))
+      out.append((self.tree.base_nodes[absorb_id], k))
     else:
       inner = choice[1]
       if j > 0:
         self._collect_series(x, j - 1, depth - inner, after + inner, out)
-      self._collect(self.dp.children[x][j], inner, after, out)
+      self._collect(self.tree.children[x][j], inner, after, out)
 
   def _collect_trimmed(self, x, p, i, c, depth, after, out) -> None:
     _, inner = self.trimmed(x, p, i, c, depth, after)
     if p > 0:
       self._collect_series(x, p - 1, depth - inner, after + inner, out)
-    par = self.dp.children[x][p]
+    par = self.tree.children[x][p]
     self._collect_parallel(par, inner, after, (i, c), out)

@@ -1,0 +1,246 @@
+"""The schedule type: which action each device runs at each step.
+
+A schedule is data. An action is one stage's forward or backward pass of one
+micro-batch and prints as `2F0` (stage 2, forward, micro-batch 0) or `2B0`.
+The schedule is a grid of steps ("ticks") by devices: at each tick a device
+runs at most one action, and every device of a data-parallel stage runs the
+stage's action at the same tick on its share of the micro-batch. A device's
+row read left to right is its ordered action list; an action's column is its
+global step, which a runtime turns into the arrays its `lax.scan` reads.
+What an action produces at tick t may be read from tick t + 1 on.
+
+`graphpipe.schedules.builders` makes schedules for a plan (1F1B, GPipe);
+`graphpipe.schedules.checker` refuses a wrong one with the grid printed and
+the bad cell marked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from graphpipe.errors import ScheduleError
+
+FORWARD = "F"
+BACKWARD = "B"
+KINDS = ("1f1b", "gpipe")
+
+_ACTION_RE = re.compile(r"^(\d+)([FB])(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Action:
+  """One stage's forward or backward pass of one micro-batch.
+
+  Example:
+    >>> str(Action(2, "F", 0))
+    '2F0'
+    >>> Action.parse("1B3")
+    Action(stage=1, kind='B', microbatch=3)
+
+  Args:
+    stage: the stage id.
+    kind: 'F' (forward) or 'B' (backward).
+    microbatch: the micro-batch index, 0 .. num_microbatches - 1.
+  """
+
+  stage: int
+  kind: str
+  microbatch: int
+
+  def __str__(self) -> str:
+    return f"{self.stage}{self.kind}{self.microbatch}"
+
+  @classmethod
+  def parse(cls, text: str) -> Action:
+    """The action that `str` prints as `text`, e.g. '2F0'."""
+    match = _ACTION_RE.match(text.strip())
+    if match is None:
+      raise ScheduleError(
+        f"{text!r} is not an action: write stage, F or B, micro-batch, "
+        "e.g. '2F0'"
+      )
+    return cls(int(match[1]), match[2], int(match[3]))
+
+
+Grid = tuple[tuple[Action | None, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Per device, the action it runs at each tick (None: idle).
+
+  Example:
+    >>> schedule = one_f_one_b(plan)
+    >>> print(schedule)                 # the device x step grid
+    >>> schedule.actions(0)             # device 0's ordered actions
+    >>> schedule.ticks()[Action(1, "B", 0)]
+
+  Args:
+    kind: '1f1b' or 'gpipe' (or any name for a hand-made schedule).
+    num_microbatches: micro-batches per iteration.
+    stage_devices: per stage, the devices running it.
+    stage_edges: (src stage, dst stage) pairs of the stage DAG.
+    in_flight: per stage, the most micro-batches it may keep stashed.
+    grid: grid[device][tick], the action or None; every row as long as
+      the schedule.
+  """
+
+  kind: str
+  num_microbatches: int
+  stage_devices: tuple[tuple[int, ...], ...]
+  stage_edges: tuple[tuple[int, int], ...]
+  in_flight: tuple[int, ...]
+  grid: Grid
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.stage_devices)
+
+  @property
+  def num_devices(self) -> int:
+    return len(self.grid)
+
+  @property
+  def num_ticks(self) -> int:
+    return len(self.grid[0]) if self.grid else 0
+
+  def successors(self, stage: int) -> list[int]:
+    """Stages that read `stage`'s forward outputs."""
+    return [b for a, b in self.stage_edges if a == stage]
+
+  def predecessors(self, stage: int) -> list[int]:
+    """Stages whose forward outputs `stage` reads."""
+    return [a for a, b in self.stage_edges if b == stage]
+
+  def actions(self, device: int) -> tuple[Action, ...]:
+    """The ordered actions of `device` (its row without idle ticks)."""
+    return tuple(a for a in self.grid[device] if a is not None)
+
+  def stage_actions(self, stage: int) -> tuple[tuple[int, Action], ...]:
+    """(tick, action) of `stage` in order, read from its first device."""
+    row = self.grid[self.stage_devices[stage][0]]
+    return tuple(
+      (tick, a) for tick, a in enumerate(row) if a and a.stage == stage
+    )
+
+  def ticks(self) -> dict[Action, int]:
+    """The tick table: the global step of every action."""
+    return {
+      action: tick
+      for stage in range(self.num_stages)
+      for tick, action in self.stage_actions(stage)
+    }
+
+  def __str__(self) -> str:
+    in_flight = ",".join(str(n) for n in self.in_flight)
+    return (
+      f"{self.kind} schedule: {self.num_stages} stages, "
+      f"{self.num_microbatches} micro-batches, {self.num_ticks} steps, "
+      f"in flight {in_flight}\n{format_grid(self, max_steps=32)}"
+    )
+
+  def to_dict(self) -> dict:
+    """A JSON-ready dict: stages, and per device its actions and ticks."""
+    devices = {}
+    for device, row in enumerate(self.grid):
+      cells = [(t, a) for t, a in enumerate(row) if a is not None]
+      if cells:
+        devices[str(device)] = {
+          "actions": [str(a) for _, a in cells],
+          "ticks": [t for t, _ in cells],
+        }
+    return {
+      "kind": self.kind,
+      "num_microbatches": self.num_microbatches,
+      "num_ticks": self.num_ticks,
+      "num_devices": self.num_devices,
+      "stages": [
+        {"id": s, "devices": list(d), "in_flight": n}
+        for s, (d, n) in enumerate(
+          zip(self.stage_devices, self.in_flight, strict=True)
+        )
+      ],
+      "stage_edges": [list(e) for e in self.stage_edges],
+      "devices": devices,
+    }
+
+  @classmethod
+  def from_dict(cls, data: dict) -> Schedule:
+    """Inverse of `to_dict`."""
+    try:
+      grid = [[None] * data["num_ticks"] for _ in range(data["num_devices"])]
+      for device, cells in data["devices"].items():
+        for text, tick in zip(cells["actions"], cells["ticks"], strict=True):
+          grid[int(device)][tick] = Action.parse(text)
+      return cls(
+        kind=data["kind"],
+        num_microbatches=data["num_microbatches"],
+        stage_devices=tuple(tuple(s["devices"]) for s in data["stages"]),
+        stage_edges=tuple(tuple(e) for e in data["stage_edges"]),
+        in_flight=tuple(s["in_flight"] for s in data["stages"]),
+        grid=tuple(tuple(row) for row in grid),
+      )
+    except (KeyError, IndexError, TypeError, ValueError) as err:
+      raise ScheduleError(f"not a graphpipe schedule: {err!r}") from err
+
+
+def format_grid(
+  schedule: Schedule,
+  mark: tuple[int, int] | None = None,
+  max_steps: int | None = None,
+) -> str:
+  """The device x step grid as text, one row per device that runs a stage.
+
+  Example:
+    >>> print(format_grid(schedule, mark=(1, 3)))
+    step     0    1    2    3    4    5    6    7
+    dev 0  0F0  0F1    .  0B0  0F2  0B1    .  0B2
+    dev 1    .  1F0  1B0 [1F1] 1B1  1F2  1B2    .
+
+  Args:
+    schedule: the schedule to print.
+    mark: (device, tick) of a cell to bracket; the tick may be one past the
+      end (a missing action at the end of a row).
+    max_steps: show at most this many steps, around the mark if any.
+  """
+  num_ticks = schedule.num_ticks
+  if mark is not None and mark[1] >= num_ticks:
+    num_ticks = mark[1] + 1
+  first, last = 0, num_ticks
+  if max_steps is not None and num_ticks > max_steps:
+    center = mark[1] if mark is not None else max_steps // 2
+    first = max(0, min(center - max_steps // 2, num_ticks - max_steps))
+    last = first + max_steps
+  used = sorted({d for devices in schedule.stage_devices for d in devices})
+  used += [
+    d
+    for d in range(schedule.num_devices)
+    if d not in used and any(schedule.grid[d])
+  ]
+
+  def cell(device, tick):
+    row = schedule.grid[device]
+    action = row[tick] if tick < len(row) else None
+    return str(action) if action is not None else "."
+
+  width = max(
+    [len(str(t)) for t in range(first, last)]
+    + [len(cell(d, t)) for d in used for t in range(first, last)]
+  )
+  label = 1 + max([len("step")] + [len(f"dev {d}") for d in used])
+  head = f"{'step':<{label}}" + "".join(
+    f" {t:>{width}} " for t in range(first, last)
+  )
+  lines = [(head + (" ..." if last < num_ticks else "")).rstrip()]
+  for device in used:
+    cells = []
+    for tick in range(first, last):
+      text = f"{cell(device, tick):>{width}}"
+      cells.append(f"[{text}]" if (device, tick) == mark else f" {text} ")
+    more = " ..." if last < num_ticks else ""
+    line = f"{f'dev {device}':<{label}}" + "".join(cells) + more
+    lines.append(line.rstrip())
+  if first > 0:
+    lines.insert(0, f"(steps {first}..{last - 1} of {num_ticks})")
+  return "\n".join(lines)
