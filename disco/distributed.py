@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from disco import hlo_bytes
-from disco.errors import DiscoError
+from disco.errors import DistributedError
 from disco.exchange import (
   AXIS,
   ConvSpec,
@@ -54,10 +54,6 @@ from disco.models import ResNet, ViT
 from disco.partition import Split
 
 ITEMSIZE = 4  # float32 weights
-
-
-class DistributedError(DiscoError):
-  """A model, mesh or input that distributed inference cannot run."""
 
 
 class _Packer:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from disco.errors import ConfigError
 from disco.layers import DiscoConv, DiscoDense
 
 _CONV_INIT = nnx.initializers.variance_scaling(2.0, "fan_in", "normal")
@@ -182,6 +183,9 @@ def _shortcut(in_features, out_features, stride, first, num_nodes, rngs):
   )
 
 
+BLOCKS = {"basic": BasicBlock, "bottleneck": Bottleneck}
+
+
 class ResNet(nnx.Module):
   """A ResNet whose every conv and the head are DISCO layers.
 
@@ -195,9 +199,22 @@ class ResNet(nnx.Module):
   Args:
     config: the architecture.
     rngs: random number streams.
+
+  Raises:
+    ConfigError: an unknown block type, or stage sizes and widths of
+      different lengths.
   """
 
   def __init__(self, config: ResNetConfig, *, rngs: nnx.Rngs):
+    if config.block not in BLOCKS:
+      raise ConfigError(
+        f"unknown block {config.block!r}: use one of {sorted(BLOCKS)}"
+      )
+    if len(config.stage_sizes) != len(config.widths):
+      raise ConfigError(
+        f"{len(config.stage_sizes)} stage sizes and {len(config.widths)} "
+        "widths: give one width per stage"
+      )
     self.config = config
     nodes = config.num_nodes
     self.stem = _ConvBN(
@@ -209,7 +226,7 @@ class ResNet(nnx.Module):
       num_nodes=nodes,
       rngs=rngs,
     )
-    block_type = {"basic": BasicBlock, "bottleneck": Bottleneck}[config.block]
+    block_type = BLOCKS[config.block]
     expansion = 4 if config.block == "bottleneck" else 1
     blocks = []
     features = config.stem_width

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from disco import checkpoint, distributed, hlo_bytes, metrics, prune
-from disco.errors import DiscoError
+from disco.errors import DiscoError, HloError
 from disco.layers import DiscoLayer
 from disco.models import ResNet, ResNetConfig, ViT, ViTConfig
 from disco.transformer import DiscoLayerNorm
@@ -221,7 +221,7 @@ def test_hlo_counter_refuses_collectives_in_a_loop():
     jax.shard_map(body, mesh=mesh, in_specs=P("node"), out_specs=P("node"))
   )
   text = program.lower(np.ones((2, 3), np.float32)).compile().as_text()
-  with pytest.raises(hlo_bytes.HloError, match="straight-line"):
+  with pytest.raises(HloError, match="straight-line"):
     hlo_bytes.collective_bytes(text)
 
 

@@ -10,6 +10,7 @@ MODULES = [
   "disco.checkpoint",
   "disco.data",
   "disco.distributed",
+  "disco.errors",
   "disco.exchange",
   "disco.hlo_bytes",
   "disco.layers",

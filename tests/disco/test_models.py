@@ -83,6 +83,10 @@ def test_bad_configs_are_clear_errors():
     ViT(ViTConfig(num_nodes=8), rngs=nnx.Rngs(0))
   with pytest.raises(PartitionError, match="cannot split"):
     ResNet(ResNetConfig(num_nodes=32), rngs=nnx.Rngs(0))
+  with pytest.raises(ConfigError, match="unknown block"):
+    ResNet(ResNetConfig(block="wide"), rngs=nnx.Rngs(0))
+  with pytest.raises(ConfigError, match="one width per stage"):
+    ResNet(ResNetConfig(stage_sizes=(1, 1)), rngs=nnx.Rngs(0))
 
 
 def test_resnet50_structure():
