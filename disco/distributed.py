@@ -51,7 +51,7 @@ from disco.exchange import (
 )
 from disco.layers import DiscoLayer
 from disco.models import ResNet, ViT
-from disco.partition import Split
+from disco.splits import Split
 
 ITEMSIZE = 4  # float32 weights
 

@@ -6,7 +6,7 @@ callers can catch one class. Errors about a bad value also derive from
 Messages say what was wrong and what to do.
 
 Example:
-  >>> from disco.partition import split_channels
+  >>> from disco.splits import split_channels
   >>> try:
   ...   split_channels(3, num_nodes=4)
   ... except ValueError as error:

@@ -38,7 +38,7 @@ from flax import nnx
 from disco.errors import MetricsError
 from disco.layers import CommMask, DiscoLayer
 from disco.observe import Observed
-from disco.partition import split_channels
+from disco.splits import split_channels
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ from flax import nnx
 
 from disco.layers import DiscoDense
 from disco.observe import Observed, OpCost, positions
-from disco.partition import Split, split_channels
+from disco.splits import Split, split_channels
 
 
 def head_split(dim: int, num_heads: int, num_nodes: int) -> Split:

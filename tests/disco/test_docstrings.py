@@ -19,9 +19,9 @@ MODULES = [
   "disco.models.resnet",
   "disco.models.vit",
   "disco.observe",
-  "disco.partition",
   "disco.prune",
   "disco.safe_pickle",
+  "disco.splits",
   "disco.train",
   "disco.transformer",
 ]

@@ -8,7 +8,7 @@ from disco import metrics
 from disco.errors import ConfigError, PartitionError
 from disco.layers import DiscoLayer
 from disco.models import ResNet, ResNetConfig, ViT, ViTConfig, resnet50_config
-from disco.partition import Split
+from disco.splits import Split
 from disco.transformer import DiscoLayerNorm
 from tests.disco.util import normal
 
