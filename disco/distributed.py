@@ -1,6 +1,6 @@
 """DISCO distributed inference: one device per node, sparse exchanges.
 
-`compile(model, mesh)` turns a DISCO ResNet or ViT into one jitted SPMD
+`distribute(model, mesh)` turns a DISCO ResNet or ViT into one jitted SPMD
 program over a "node" mesh axis. Device j holds only node j's weights: for
 every layer its local block and the cross-node columns its mask keeps
 (`DiscoLayer.node_kernel`), batch norm folded in, and its channels of the
@@ -303,12 +303,12 @@ _LOWERINGS = {ResNet: _resnet, ViT: _vit}
 class DistributedModel:
   """A DISCO model compiled for its nodes: call it like the model.
 
-  Built by `compile`. Each device of `mesh` holds one node's weights
+  Built by `distribute`. Each device of `mesh` holds one node's weights
   (`params`, sharded over the `node` axis); a call runs one SPMD program
   whose only collectives are the sparse exchanges, the LayerNorm
   statistics and the gather of the logits on node 0.
 
-  Example: see `compile`.
+  Example: see `distribute`.
 
   Args:
     mesh: the mesh, one device per node on axis "node".
@@ -442,8 +442,8 @@ def node_mesh(num_nodes: int, devices=None) -> Mesh:
   return Mesh(np.array(devices[:num_nodes]), (AXIS,))
 
 
-def compile(model: nnx.Module, mesh: Mesh | None = None) -> DistributedModel:
-  """Compiles `model` for distributed inference, one device per node.
+def distribute(model: nnx.Module, mesh: Mesh | None = None) -> DistributedModel:
+  """Splits `model` over devices for inference, one device per node.
 
   Example:
     >>> import numpy as np
@@ -453,7 +453,7 @@ def compile(model: nnx.Module, mesh: Mesh | None = None) -> DistributedModel:
     >>> model = ResNet(ResNetConfig(num_nodes=2), rngs=nnx.Rngs(0))
     >>> prune.to_ratio(model, 0.2)
     >>> model.eval()
-    >>> run = compile(model)
+    >>> run = distribute(model)
     >>> images = np.ones((2, 16, 16, 1), np.float32)
     >>> bool(np.allclose(run(images), model(images), atol=1e-5))
     True

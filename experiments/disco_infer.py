@@ -178,8 +178,8 @@ def run(settings: Settings, out: str) -> dict:
   log(f"one device: accuracy {results['accuracy_single_device']:.4f}")
   log("compiling distributed inference (DISCO and dense channel parallelism)")
   mesh = distributed.node_mesh(config.num_nodes)
-  disco = distributed.compile(model, mesh)
-  dense = distributed.compile(metrics.with_masks(model, True), mesh)
+  disco = distributed.distribute(model, mesh)
+  dense = distributed.distribute(metrics.with_masks(model, True), mesh)
   logits = _in_batches(disco, dataset.x_test, batch)
   results["accuracy"] = float(np.mean(logits.argmax(-1) == dataset.y_test))
   results["max_abs_error_vs_single_device"] = float(
