@@ -52,6 +52,7 @@ from disco.exchange import (
 from disco.layers import DiscoLayer
 from disco.models import ResNet, ViT
 from disco.splits import Split
+from graphpipe.models.attention import dot_product_attention
 
 ITEMSIZE = 4  # float32 weights
 
@@ -268,9 +269,7 @@ def _vit(model: ViT) -> _Program:
     q, k, v = (dense(x, bp[name]) for name in ("query", "key", "value"))
     heads = (*q.shape[:-1], q.shape[-1] // head_dim, head_dim)
     q, k, v = q.reshape(heads), k.reshape(heads), v.reshape(heads)
-    logits = jnp.einsum("...qhd,...khd->...hqk", q, k) / np.sqrt(head_dim)
-    weights = jax.nn.softmax(logits, axis=-1)
-    attended = jnp.einsum("...hqk,...khd->...qhd", weights, v)
+    attended = dot_product_attention(q, k, v)
     return attended.reshape(attended.shape[:-2] + (-1,))
 
   def forward(p, images):

@@ -26,6 +26,7 @@ from flax import nnx
 from disco.layers import DiscoDense
 from disco.observe import Observed, OpCost, positions
 from disco.splits import Split, split_channels
+from graphpipe.models.attention import dot_product_attention
 
 
 def head_split(dim: int, num_heads: int, num_nodes: int) -> Split:
@@ -146,9 +147,7 @@ class DiscoSelfAttention(Observed):
     q = self.query(x).reshape(heads)
     k = self.key(x).reshape(heads)
     v = self.value(x).reshape(heads)
-    logits = jnp.einsum("...qhd,...khd->...hqk", q, k) / np.sqrt(self.head_dim)
-    weights = jax.nn.softmax(logits, axis=-1)
-    attended = jnp.einsum("...hqk,...khd->...qhd", weights, v)
+    attended = dot_product_attention(q, k, v)
     y = self.proj(attended.reshape(x.shape[:-1] + (-1,)))
     self.observe(x, y)
     return y
