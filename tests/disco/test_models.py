@@ -1,5 +1,6 @@
 """ResNet and ViT built from DISCO layers, for any number of nodes."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -10,6 +11,7 @@ from disco.layers import DiscoLayer
 from disco.models import ResNet, ResNetConfig, ViT, ViTConfig, resnet50_config
 from disco.splits import Split
 from disco.transformer import DiscoLayerNorm
+from graphpipe.models.attention import dot_product_attention
 from tests.disco.util import normal
 
 IMAGES = np.random.default_rng(0).random((2, 16, 16, 1), np.float32)
@@ -72,6 +74,14 @@ def test_layer_norm_exact_and_per_node():
   local = DiscoLayerNorm(Split((6, 4)), exchange_stats=False, rngs=nnx.Rngs(0))
   left = nnx.LayerNorm(6, epsilon=1e-6, rngs=nnx.Rngs(0))
   np.testing.assert_allclose(local(x)[:, :6], left(x[:, :6]), atol=1e-5)
+
+
+def test_the_shared_attention_is_jax_dot_product_attention():
+  query = normal(1, (2, 5, 3, 4))  # batch, queries, heads, head_dim
+  key, value = normal(2, (2, 7, 3, 4)), normal(3, (2, 7, 3, 4))
+  want = jax.nn.dot_product_attention(query, key, value)
+  got = dot_product_attention(query, key, value)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_configs_are_clear_errors():
