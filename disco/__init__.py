@@ -5,8 +5,9 @@ learned masks (`DiscoDense`, `DiscoConv`); models built from them
 (`disco.models`); channel selection (`disco.prune`); costs of one inference
 (`disco.metrics`); training (`disco.train`); checkpoints
 (`disco.checkpoint`); data that needs no download (`disco.data`);
-distributed inference, one device per node (`disco.distributed`); every
-error class (`disco.errors`).
+distributed inference, one device per node (`disco.distributed`; each
+model registers its lowering with `disco.lowering`); every error class
+(`disco.errors`).
 
 Example:
   >>> import disco
