@@ -5,7 +5,9 @@ learned masks (`DiscoDense`, `DiscoConv`); models built from them
 (`disco.models`); channel selection (`disco.prune`); costs of one inference
 (`disco.metrics`); training (`disco.train`); checkpoints
 (`disco.checkpoint`); data that needs no download (`disco.data`);
-distributed inference, one device per node (`disco.distributed`).
+distributed inference, one device per node (`disco.distributed`; each
+model registers its lowering with `disco.lowering`); every error class
+(`disco.errors`).
 
 Example:
   >>> import disco
@@ -26,14 +28,32 @@ from disco import (
   prune,
   train,
 )
-from disco.errors import DiscoError
+from disco.errors import (
+  CheckpointError,
+  ConfigError,
+  DataError,
+  DiscoError,
+  DistributedError,
+  HloError,
+  MetricsError,
+  PartitionError,
+  PruneError,
+)
 from disco.layers import CommMask, DiscoConv, DiscoDense
 
 __all__ = [
+  "CheckpointError",
   "CommMask",
+  "ConfigError",
+  "DataError",
   "DiscoConv",
   "DiscoDense",
   "DiscoError",
+  "DistributedError",
+  "HloError",
+  "MetricsError",
+  "PartitionError",
+  "PruneError",
   "checkpoint",
   "data",
   "distributed",

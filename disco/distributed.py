@@ -1,30 +1,20 @@
 """DISCO distributed inference: one device per node, sparse exchanges.
 
-`compile(model, mesh)` turns a DISCO ResNet or ViT into one jitted SPMD
-program over a "node" mesh axis. Device j holds only node j's weights: for
-every layer its local block and the cross-node columns its mask keeps
-(`DiscoLayer.node_kernel`), batch norm folded in, and its channels of the
-norms, class token and position embeddings. One inference:
-
-  image: replicated; the stem / patch embedding reads it with no exchange
-  for every DISCO layer, on node j:
-    input = exchange(x)            # own channels | kept ones from others
-    y = conv_or_matmul(input, node j's kernel rows in the same order)
-    batch norm (folded), activations, pooling, residual adds: local
-  ViT LayerNorm: two floats per token to every other node, exact
-  logits: each node's classes to node 0 (`disco.exchange.gather_logits`)
+`distribute(model, mesh)` turns a DISCO model (`disco.models.ResNet`,
+`ViT`, or any model class with a registered lowering, `disco.lowering`)
+into one jitted SPMD program over a "node" mesh axis. Device j holds only
+node j's weights: for every layer its local block and the cross-node
+columns its mask keeps (`DiscoLayer.node_kernel`), batch norm folded in,
+and its channels of the norms, class token and position embeddings. The
+program runs the model's own forward pass on every node, exchanging only
+the channels the masks keep (`disco.lowering` has the loop).
 
 What crosses a link is exactly what `disco.metrics.count` counts, and
 `DistributedModel.bytes_per_inference` measures it from the compiled program
 (`disco.hlo_bytes`). Dense channel parallelism (all masks one,
-`disco.metrics.with_masks(model, True)`) runs through the same path.
-
-Padding. `shard_map` needs every device's arrays to have one shape, so a
-node that receives fewer channels than another in some layer holds zero
-kernel rows up to the largest receiver's count, and uneven channel splits
-pad to the largest block. With even splits and r = 0 or r = 1 there is
-none; `DistributedModel.padding_bytes` reports it otherwise. No device can
-hold less than the largest node's share; on the wire nothing is padded.
+`disco.metrics.with_masks(model, True)`) runs through the same path. Arrays
+of one shape on every device mean some padding where nodes differ
+(`DistributedModel.padding_bytes`); on the wire nothing is padded.
 """
 
 import dataclasses
@@ -36,283 +26,23 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from disco import hlo_bytes
-from disco.errors import DiscoError
-from disco.exchange import (
-  AXIS,
-  ConvSpec,
-  Exchange,
-  NormSpec,
-  conv,
-  dense,
-  exchange,
-  gather_logits,
-  layer_norm,
-)
-from disco.layers import DiscoLayer
-from disco.models import ResNet, ViT
-from disco.partition import Split
+from disco import hlo_bytes, lowering
+from disco.errors import DistributedError
+from disco.exchange import AXIS
 
 ITEMSIZE = 4  # float32 weights
-
-
-class DistributedError(DiscoError):
-  """A model, mesh or input that distributed inference cannot run."""
-
-
-class _Packer:
-  """Builds one node's weights and counts what is real and what is padding."""
-
-  def __init__(self, node: int):
-    self.node = node
-    self.share = 0  # values the node needs
-    self.held = 0  # values it holds, padding included
-
-  def array(self, values, real: int) -> np.ndarray:
-    values = np.asarray(values, np.float32)
-    self.share += real
-    self.held += values.size
-    return values
-
-  def channels(self, values, split: Split) -> np.ndarray:
-    """This node's channels (last axis) of `values`, padded to the widest."""
-    values = np.asarray(values, np.float32)
-    own = values[..., split.indices(self.node)]
-    padded = np.zeros(values.shape[:-1] + (max(split.sizes),), np.float32)
-    padded[..., : own.shape[-1]] = own
-    return self.array(padded, own.size)
-
-  def layer(self, layer: DiscoLayer, plan: Exchange | None, norm=None):
-    """{"kernel", "bias"} of `layer` on this node, batch norm folded in.
-
-    Kernel rows follow `plan.rows(node)` (all inputs for a replicated
-    input); rows the node does not read and padding are zero.
-    """
-    node = self.node
-    columns = layer.out_split.indices(node)
-    width = max(layer.out_split.sizes)
-    inputs = layer.node_inputs(node)
-    rows = np.arange(layer.in_features) if plan is None else plan.rows(node)
-    kept = np.isin(rows, inputs)
-    if kept.sum() != len(inputs):
-      raise DistributedError(
-        f"{type(layer).__name__}: node {node} reads channels its exchange "
-        "plan does not deliver"
-      )
-    node_kernel = np.asarray(layer.node_kernel(node), np.float32)
-    scale = np.ones(len(columns), np.float32)
-    shift = np.zeros(len(columns), np.float32)
-    if layer.bias is not None:
-      shift = np.asarray(layer.bias[...])[columns]
-    if norm is not None:
-      scale, shift = _fold(norm, columns, shift)
-    kernel = np.zeros(layer.kernel.shape[:-2] + (len(rows), width), np.float32)
-    kernel[..., np.flatnonzero(kept), : len(columns)] = (
-      node_kernel[..., np.searchsorted(inputs, rows[kept]), :] * scale
-    )
-    bias = np.zeros(width, np.float32)
-    bias[: len(columns)] = shift
-    has_bias = layer.bias is not None or norm is not None
-    return {
-      "kernel": self.array(kernel, node_kernel.size),
-      "bias": self.array(bias, len(columns) if has_bias else 0),
-    }
-
-
-def _fold(norm: nnx.BatchNorm, columns, bias):
-  """(scale, shift) of inference-mode batch norm after a layer's bias."""
-  scale = np.asarray(norm.scale[...])[columns] / np.sqrt(
-    np.asarray(norm.var[...])[columns] + norm.epsilon
-  )
-  shift = np.asarray(norm.bias[...])[columns] + scale * (
-    bias - np.asarray(norm.mean[...])[columns]
-  )
-  return scale.astype(np.float32), shift.astype(np.float32)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Program:
-  """A model lowered for nodes: per-node weights and the SPMD forward."""
-
-  params: list  # per node: a pytree of numpy arrays
-  shares: tuple[int, ...]  # values each node needs
-  held: int  # values each device holds
-  forward: object  # (this node's params, images) -> logits, complete on 0
-  image_shape: tuple[int, int, int]
-  num_classes: int
-
-
-def _resnet(model: ResNet) -> _Program:
-  config = model.config
-  # Per block: [(conv + batch norm unit, exchange of its input)], shortcut.
-  blocks = []
-  for block in model.blocks:
-    units = [block.conv1, block.conv2, getattr(block, "conv3", None)]
-    units = [unit for unit in units if unit is not None]
-    readers = [unit.conv for unit in (block.conv1, block.shortcut) if unit]
-    plans = [Exchange.of(readers)] + [Exchange.of([u.conv]) for u in units[1:]]
-    blocks.append((list(zip(units, plans, strict=True)), block.shortcut))
-  head_plan = Exchange.of([model.head])
-
-  def pack(packer):
-    def convbn(unit, plan):
-      return packer.layer(unit.conv, plan, unit.norm)
-
-    packed_blocks = []
-    for chain, shortcut in blocks:
-      packed = {"chain": [convbn(unit, plan) for unit, plan in chain]}
-      if shortcut is not None:
-        packed["shortcut"] = convbn(shortcut, chain[0][1])
-      packed_blocks.append(packed)
-    return {
-      "stem": convbn(model.stem, None),
-      "blocks": packed_blocks,
-      "head": packer.layer(model.head, head_plan),
-    }
-
-  stem = _conv_spec(model.stem.conv)
-  static = [
-    (
-      [(_conv_spec(unit.conv), plan) for unit, plan in chain],
-      None if shortcut is None else _conv_spec(shortcut.conv),
-    )
-    for chain, shortcut in blocks
-  ]
-  head_split = model.head.out_split
-
-  def forward(p, images):
-    x = nnx.relu(conv(images, p["stem"], stem))
-    if config.stem_pool:
-      x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
-    for bp, (chain, shortcut) in zip(p["blocks"], static, strict=True):
-      block_input = exchange(x, chain[0][1])
-      y = conv(block_input, bp["chain"][0], chain[0][0])
-      for params, (spec, plan) in zip(bp["chain"][1:], chain[1:], strict=True):
-        y = conv(exchange(nnx.relu(y), plan), params, spec)
-      skip = x
-      if shortcut is not None:
-        skip = conv(block_input, bp["shortcut"], shortcut)
-      x = nnx.relu(y + skip)
-    pooled = jnp.mean(x, axis=(1, 2))
-    logits = dense(exchange(pooled, head_plan), p["head"])
-    return gather_logits(logits, head_split)
-
-  return _program(model, pack, forward)
-
-
-def _program(model, pack, forward) -> _Program:
-  """Packs every node's weights with `pack(packer)`."""
-  config = model.config
-  packers = [_Packer(node) for node in range(config.num_nodes)]
-  params = [pack(packer) for packer in packers]
-  size = config.image_size
-  return _Program(
-    params,
-    tuple(packer.share for packer in packers),
-    packers[0].held,
-    forward,
-    (size, size, config.in_channels),
-    config.num_classes,
-  )
-
-
-def _vit(model: ViT) -> _Program:
-  config = model.config
-  blocks = list(model.blocks)
-  plans = [
-    {
-      "qkv": Exchange.of([b.attn.query, b.attn.key, b.attn.value]),
-      "proj": Exchange.of([b.attn.proj]),
-      "fc1": Exchange.of([b.mlp.fc1]),
-      "fc2": Exchange.of([b.mlp.fc2]),
-    }
-    for b in blocks
-  ]
-  head_plan = Exchange.of([model.head])
-  split = model.patch_embed.out_split
-
-  def pack(packer):
-    def norm(module):
-      return {
-        "scale": packer.channels(module.scale[...], module.split),
-        "bias": packer.channels(module.bias[...], module.split),
-      }
-
-    packed_blocks = []
-    for block, plan in zip(blocks, plans, strict=True):
-      attn, mlp = block.attn, block.mlp
-      packed_blocks.append(
-        {
-          "norm1": norm(block.norm1),
-          "query": packer.layer(attn.query, plan["qkv"]),
-          "key": packer.layer(attn.key, plan["qkv"]),
-          "value": packer.layer(attn.value, plan["qkv"]),
-          "proj": packer.layer(attn.proj, plan["proj"]),
-          "norm2": norm(block.norm2),
-          "fc1": packer.layer(mlp.fc1, plan["fc1"]),
-          "fc2": packer.layer(mlp.fc2, plan["fc2"]),
-        }
-      )
-    return {
-      "patch": packer.layer(model.patch_embed, None),
-      "cls": packer.channels(model.cls_token[...][0, 0], split),
-      "pos": packer.channels(model.pos_embed[...][0], split),
-      "blocks": packed_blocks,
-      "norm": norm(model.norm),
-      "head": packer.layer(model.head, head_plan),
-    }
-
-  patch = _conv_spec(model.patch_embed)
-  norm_spec = NormSpec(split, config.exchange_stats, model.norm.epsilon)
-  head_dim = config.dim // config.num_heads
-  head_split = model.head.out_split
-
-  def attention(x, bp):
-    # Each node attends with its own heads; padding heads stay zero.
-    q, k, v = (dense(x, bp[name]) for name in ("query", "key", "value"))
-    heads = (*q.shape[:-1], q.shape[-1] // head_dim, head_dim)
-    q, k, v = q.reshape(heads), k.reshape(heads), v.reshape(heads)
-    logits = jnp.einsum("...qhd,...khd->...hqk", q, k) / np.sqrt(head_dim)
-    weights = jax.nn.softmax(logits, axis=-1)
-    attended = jnp.einsum("...hqk,...khd->...qhd", weights, v)
-    return attended.reshape(attended.shape[:-2] + (-1,))
-
-  def forward(p, images):
-    x = conv(images, p["patch"], patch)
-    x = x.reshape(x.shape[0], -1, x.shape[-1])
-    cls = jnp.broadcast_to(p["cls"], (x.shape[0], 1, x.shape[-1]))
-    x = jnp.concatenate([cls, x], axis=1) + p["pos"]
-    for bp, plan in zip(p["blocks"], plans, strict=True):
-      h = layer_norm(x, bp["norm1"], norm_spec)
-      attended = attention(exchange(h, plan["qkv"]), bp)
-      x = x + dense(exchange(attended, plan["proj"]), bp["proj"])
-      h = layer_norm(x, bp["norm2"], norm_spec)
-      hidden = nnx.gelu(dense(exchange(h, plan["fc1"]), bp["fc1"]))
-      x = x + dense(exchange(hidden, plan["fc2"]), bp["fc2"])
-    h = layer_norm(x[:, 0], p["norm"], norm_spec)
-    logits = dense(exchange(h, head_plan), p["head"])
-    return gather_logits(logits, head_split)
-
-  return _program(model, pack, forward)
-
-
-def _conv_spec(layer) -> ConvSpec:
-  return ConvSpec(layer.strides, layer.padding)
-
-
-_LOWERINGS = {ResNet: _resnet, ViT: _vit}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DistributedModel:
   """A DISCO model compiled for its nodes: call it like the model.
 
-  Built by `compile`. Each device of `mesh` holds one node's weights
+  Built by `distribute`. Each device of `mesh` holds one node's weights
   (`params`, sharded over the `node` axis); a call runs one SPMD program
   whose only collectives are the sparse exchanges, the LayerNorm
   statistics and the gather of the logits on node 0.
 
-  Example: see `compile`.
+  Example: see `distribute`.
 
   Args:
     mesh: the mesh, one device per node on axis "node".
@@ -446,8 +176,8 @@ def node_mesh(num_nodes: int, devices=None) -> Mesh:
   return Mesh(np.array(devices[:num_nodes]), (AXIS,))
 
 
-def compile(model: nnx.Module, mesh: Mesh | None = None) -> DistributedModel:
-  """Compiles `model` for distributed inference, one device per node.
+def distribute(model: nnx.Module, mesh: Mesh | None = None) -> DistributedModel:
+  """Splits `model` over devices for inference, one device per node.
 
   Example:
     >>> import numpy as np
@@ -457,7 +187,7 @@ def compile(model: nnx.Module, mesh: Mesh | None = None) -> DistributedModel:
     >>> model = ResNet(ResNetConfig(num_nodes=2), rngs=nnx.Rngs(0))
     >>> prune.to_ratio(model, 0.2)
     >>> model.eval()
-    >>> run = compile(model)
+    >>> run = distribute(model)
     >>> images = np.ones((2, 16, 16, 1), np.float32)
     >>> bool(np.allclose(run(images), model(images), atol=1e-5))
     True
@@ -466,21 +196,18 @@ def compile(model: nnx.Module, mesh: Mesh | None = None) -> DistributedModel:
     True
 
   Args:
-    model: a `disco.models.ResNet` or `ViT` (its masks as they are; batch
-      norm in inference mode, from its running statistics).
+    model: a `disco.models.ResNet`, `ViT` or another model with a
+      registered lowering (`disco.lowering`); its masks as they are, batch
+      norm in inference mode (from its running statistics).
     mesh: a mesh with a "node" axis of the model's node count (and no other
       axis larger than one); default: the first devices.
 
   Raises:
-    DistributedError: another kind of model, or a mesh that does not fit.
+    DistributedError: a model without a lowering, or a mesh that does not
+      fit.
   """
-  lowering = _LOWERINGS.get(type(model))
-  if lowering is None:
-    raise DistributedError(
-      f"{type(model).__name__} cannot be distributed: only "
-      f"{sorted(c.__name__ for c in _LOWERINGS)} models can"
-    )
-  nodes = model.config.num_nodes
+  lowered = lowering.lower(model)
+  nodes = len(lowered.params)
   if mesh is None:
     mesh = node_mesh(nodes)
   elif AXIS not in mesh.axis_names or mesh.shape[AXIS] != nodes:
@@ -493,8 +220,7 @@ def compile(model: nnx.Module, mesh: Mesh | None = None) -> DistributedModel:
       f"mesh {dict(mesh.shape)} has other axes larger than one; distributed "
       f"inference uses only the '{AXIS}' axis"
     )
-  program = lowering(model)
-  stacked = jax.tree.map(lambda *xs: np.stack(xs), *program.params)
+  stacked = jax.tree.map(lambda *xs: np.stack(xs), *lowered.params)
   sharding = NamedSharding(mesh, P(AXIS))
   params = jax.tree.map(
     lambda a: jax.make_array_from_callback(
@@ -505,17 +231,19 @@ def compile(model: nnx.Module, mesh: Mesh | None = None) -> DistributedModel:
 
   def body(params, images):
     local = jax.tree.map(lambda a: a[0], params)
-    return program.forward(local, images)[None]
+    return lowered.forward(local, images)[None]
 
   spmd = jax.shard_map(
     body, mesh=mesh, in_specs=(P(AXIS), P()), out_specs=P(AXIS)
   )
+  config = model.config
+  size = config.image_size
   return DistributedModel(
     mesh=mesh,
     params=params,
-    share_bytes=tuple(ITEMSIZE * s for s in program.shares),
-    held_bytes=ITEMSIZE * program.held,
-    image_shape=program.image_shape,
-    num_classes=program.num_classes,
+    share_bytes=tuple(ITEMSIZE * s for s in lowered.shares),
+    held_bytes=ITEMSIZE * lowered.held,
+    image_shape=(size, size, config.in_channels),
+    num_classes=config.num_classes,
     program=jax.jit(spmd),
   )

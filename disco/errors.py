@@ -1,7 +1,17 @@
-"""Errors raised by disco.
+"""Errors raised by disco, all in one place.
 
 Every error the package raises on bad input derives from `DiscoError`, so
-callers can catch one class. Messages say what was wrong and what to do.
+callers can catch one class. Errors about a bad value also derive from
+`ValueError`, so code that already catches the builtin keeps working.
+Messages say what was wrong and what to do.
+
+Example:
+  >>> from disco.splits import split_channels
+  >>> try:
+  ...   split_channels(3, num_nodes=4)
+  ... except ValueError as error:
+  ...   isinstance(error, DiscoError)
+  True
 """
 
 
@@ -9,12 +19,28 @@ class DiscoError(Exception):
   """Base class of every error disco raises on bad input."""
 
 
-class PartitionError(DiscoError):
+class PartitionError(DiscoError, ValueError):
   """Channels cannot be split over the nodes as asked."""
 
 
-class PruneError(DiscoError):
+class PruneError(DiscoError, ValueError):
   """A pruning request is out of range or inconsistent with the masks."""
+
+
+class ConfigError(DiscoError, ValueError):
+  """A model configuration is inconsistent."""
+
+
+class MetricsError(DiscoError, ValueError):
+  """A model or input shape whose costs `disco.metrics` cannot count."""
+
+
+class DistributedError(DiscoError, ValueError):
+  """A model, mesh or input that distributed inference cannot run."""
+
+
+class HloError(DiscoError, ValueError):
+  """HLO text that is unreadable or has a collective that cannot be counted."""
 
 
 class CheckpointError(DiscoError):
@@ -22,8 +48,17 @@ class CheckpointError(DiscoError):
 
 
 class DataError(DiscoError):
-  """A dataset folder or file is missing or not in the expected format."""
+  """A dataset is missing, malformed or too small for what is asked of it."""
 
 
-class ConfigError(DiscoError):
-  """A model configuration is inconsistent."""
+__all__ = [
+  "CheckpointError",
+  "ConfigError",
+  "DataError",
+  "DiscoError",
+  "DistributedError",
+  "HloError",
+  "MetricsError",
+  "PartitionError",
+  "PruneError",
+]

@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 
 from disco.errors import PartitionError
-from disco.partition import Split
+from disco.splits import Split
 
 AXIS = "node"
 

@@ -26,7 +26,7 @@ import dataclasses
 import math
 import re
 
-from disco.errors import DiscoError
+from disco.errors import HloError
 
 KINDS = (
   "collective-permute",
@@ -63,10 +63,6 @@ _LISTED_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
 _REPLICAS = re.compile(r"replica_count=(\d+)")
-
-
-class HloError(DiscoError):
-  """The HLO text is unreadable or has a collective that cannot be counted."""
 
 
 @dataclasses.dataclass(frozen=True)

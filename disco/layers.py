@@ -35,7 +35,7 @@ from flax import nnx
 
 from disco.errors import PartitionError
 from disco.observe import Observed, OpCost, positions
-from disco.partition import split_channels
+from disco.splits import split_channels
 
 
 class CommMask(nnx.Variable):

@@ -35,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from disco.errors import DiscoError
+from disco.errors import MetricsError
 from disco.layers import CommMask, DiscoLayer
 from disco.observe import Observed
-from disco.partition import split_channels
+from disco.splits import split_channels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,14 +196,14 @@ def count(model: nnx.Module, input_shape=None, *, itemsize: int = 4):
     a `CostReport`.
 
   Raises:
-    DiscoError: no input shape is known, or the model has no DISCO layer.
+    MetricsError: no input shape is known, or the model has no DISCO layer.
   """
   input_shape = _input_shape(model, input_shape)
   calls, output = _trace(model, input_shape)
   modules = dict(nnx.iter_modules(model))
   disco_layers = [m for m in modules.values() if isinstance(m, DiscoLayer)]
   if not disco_layers:
-    raise DiscoError(f"{type(model).__name__} has no DISCO layer to count")
+    raise MetricsError(f"{type(model).__name__} has no DISCO layer to count")
   num_nodes = disco_layers[0].num_nodes
   costs = [modules[path].cost(x.shape, y.shape) for path, x, y in calls]
   traffic = _tensor_traffic(calls, costs, num_nodes, itemsize)
@@ -360,7 +360,7 @@ def _input_shape(model, input_shape):
     return tuple(input_shape)
   config = getattr(model, "config", None)
   if config is None or not hasattr(config, "image_size"):
-    raise DiscoError(
+    raise MetricsError(
       f"pass input_shape: {type(model).__name__} has no config.image_size"
     )
   size = config.image_size

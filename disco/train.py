@@ -25,7 +25,7 @@ import optax
 from flax import nnx
 
 from disco import prune
-from disco.errors import DiscoError
+from disco.errors import DataError
 from disco.layers import CommMask
 
 
@@ -94,10 +94,10 @@ def fit(
     the mean training loss of every epoch.
 
   Raises:
-    DiscoError: fewer images than one batch.
+    DataError: fewer images than one batch.
   """
   if len(images) < config.batch_size:
-    raise DiscoError(
+    raise DataError(
       f"{len(images)} training images are fewer than one batch of "
       f"{config.batch_size}"
     )

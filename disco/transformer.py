@@ -16,6 +16,9 @@ this is exact (the same function as a dense LayerNorm) and costs
 With `exchange_stats=False` each node normalises its channels with its own
 statistics (a GroupNorm with one group per node): nothing crosses, but the
 network is no longer the dense one.
+
+Attention and the MLP write their forward pass once, as `forward(x, ops)`
+(`disco.ops`), for one device and for a node of `disco.distributed`.
 """
 
 import jax
@@ -25,7 +28,9 @@ from flax import nnx
 
 from disco.layers import DiscoDense
 from disco.observe import Observed, OpCost, positions
-from disco.partition import Split, split_channels
+from disco.ops import ONE_DEVICE, Ops
+from disco.splits import Split, split_channels
+from graphpipe.models.attention import dot_product_attention
 
 
 def head_split(dim: int, num_heads: int, num_nodes: int) -> Split:
@@ -142,14 +147,20 @@ class DiscoSelfAttention(Observed):
     self.proj = DiscoDense(dim, dim, rngs=rngs, **dense)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    heads = (*x.shape[:-1], self.num_heads, self.head_dim)
-    q = self.query(x).reshape(heads)
-    k = self.key(x).reshape(heads)
-    v = self.value(x).reshape(heads)
-    logits = jnp.einsum("...qhd,...khd->...hqk", q, k) / np.sqrt(self.head_dim)
-    weights = jax.nn.softmax(logits, axis=-1)
-    attended = jnp.einsum("...hqk,...khd->...qhd", weights, v)
-    y = self.proj(attended.reshape(x.shape[:-1] + (-1,)))
+    return self.forward(x, ONE_DEVICE)
+
+  def forward(self, x: jax.Array, ops: Ops) -> jax.Array:
+    """Attention on one device, or with a node's own heads (`disco.ops`)."""
+
+    def heads(y):
+      # -1: a node holds its own heads (padding heads stay zero).
+      return y.reshape(*y.shape[:-1], -1, self.head_dim)
+
+    q, k, v = (
+      heads(ops.layer(layer, x)) for layer in (self.query, self.key, self.value)
+    )
+    attended = dot_product_attention(q, k, v)
+    y = ops.layer(self.proj, attended.reshape(attended.shape[:-2] + (-1,)))
     self.observe(x, y)
     return y
 
@@ -194,4 +205,8 @@ class DiscoMLP(nnx.Module):
     )
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    return self.fc2(nnx.gelu(self.fc1(x)))
+    return self.forward(x, ONE_DEVICE)
+
+  def forward(self, x: jax.Array, ops: Ops) -> jax.Array:
+    """The MLP on one device or on a node (`disco.ops`)."""
+    return ops.layer(self.fc2, nnx.gelu(ops.layer(self.fc1, x)))

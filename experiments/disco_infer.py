@@ -63,7 +63,11 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from disco import checkpoint, data, distributed, metrics, prune, train  # noqa: E402
-from disco.errors import DiscoError  # noqa: E402
+from disco.errors import (  # noqa: E402
+  DataError,
+  DiscoError,
+  DistributedError,
+)
 
 BANDWIDTHS_BITS = tuple(float(b) for b in np.logspace(8, 11, 31))
 
@@ -142,7 +146,7 @@ def run(settings: Settings, out: str) -> dict:
   model = checkpoint.load(settings.checkpoint)
   config = model.config
   if config.num_nodes != settings.num_nodes:
-    raise distributed.DistributedError(
+    raise DistributedError(
       f"{settings.checkpoint} holds a model split over {config.num_nodes} "
       f"nodes, not --num_nodes={settings.num_nodes}: pass "
       f"--num_nodes={config.num_nodes}"
@@ -150,7 +154,7 @@ def run(settings: Settings, out: str) -> dict:
   dataset = _dataset(settings, config.image_size)
   shape = (config.image_size, config.image_size, config.in_channels)
   if dataset.image_shape != shape:
-    raise DiscoError(
+    raise DataError(
       f"{settings.checkpoint} takes images of shape {shape}, the "
       f"{dataset.name} images are {dataset.image_shape}: pass the dataset "
       "and image size it was trained with"
@@ -174,8 +178,8 @@ def run(settings: Settings, out: str) -> dict:
   log(f"one device: accuracy {results['accuracy_single_device']:.4f}")
   log("compiling distributed inference (DISCO and dense channel parallelism)")
   mesh = distributed.node_mesh(config.num_nodes)
-  disco = distributed.compile(model, mesh)
-  dense = distributed.compile(metrics.with_masks(model, True), mesh)
+  disco = distributed.distribute(model, mesh)
+  dense = distributed.distribute(metrics.with_masks(model, True), mesh)
   logits = _in_batches(disco, dataset.x_test, batch)
   results["accuracy"] = float(np.mean(logits.argmax(-1) == dataset.y_test))
   results["max_abs_error_vs_single_device"] = float(
@@ -240,7 +244,7 @@ def _dataset(settings: Settings, image_size: int) -> data.Dataset:
     )
   if settings.dataset == "cifar10":
     if not settings.data_dir:
-      raise DiscoError("--dataset=cifar10 needs --data_dir")
+      raise DataError("--dataset=cifar10 needs --data_dir")
     return data.cifar10(settings.data_dir)
   return data.synthetic(image_size=image_size)
 

@@ -27,7 +27,7 @@ from absl import app, flags
 from flax import nnx
 
 from disco import checkpoint, data, metrics, prune, train
-from disco.errors import DiscoError
+from disco.errors import DataError, DiscoError
 from disco.models import ResNet, ResNetConfig, ViT, ViTConfig
 
 
@@ -215,7 +215,7 @@ def _dataset(settings: Settings) -> data.Dataset:
     )
   if settings.dataset == "cifar10":
     if not settings.data_dir:
-      raise DiscoError("--dataset=cifar10 needs --data_dir")
+      raise DataError("--dataset=cifar10 needs --data_dir")
     return data.cifar10(settings.data_dir)
   return data.synthetic(image_size=settings.image_size)
 

@@ -9,6 +9,11 @@ conv, so the two share one `CommMask`: a channel crosses a link once, for
 both. The classifier head is a `DiscoDense` whose cross-node columns are
 masked like any other layer; each node then holds the logits of its own
 block of classes.
+
+Every module's forward pass is written once, as `forward(x, ops)`
+(`disco.ops`): calling a module runs it on one device, and the lowering at
+the end of this file gives `disco.distributed` each node's weights for the
+same forward pass.
 """
 
 import dataclasses
@@ -17,7 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from disco import lowering
+from disco.errors import ConfigError
 from disco.layers import DiscoConv, DiscoDense
+from disco.ops import ONE_DEVICE, Ops
 
 _CONV_INIT = nnx.initializers.variance_scaling(2.0, "fan_in", "normal")
 
@@ -98,8 +106,8 @@ class _ConvBN(nnx.Module):
     )
     self.norm = nnx.BatchNorm(out_features, momentum=0.9, rngs=rngs)
 
-  def __call__(self, x):
-    return self.norm(self.conv(x))
+  def forward(self, x: jax.Array, ops: Ops) -> jax.Array:
+    return ops.layer(self.conv, x, norm=self.norm)
 
 
 class BasicBlock(nnx.Module):
@@ -129,9 +137,13 @@ class BasicBlock(nnx.Module):
       in_features, width, stride, self.conv1, num_nodes, rngs
     )
 
-  def __call__(self, x):
-    y = self.conv2(nnx.relu(self.conv1(x)))
-    return nnx.relu(y + (x if self.shortcut is None else self.shortcut(x)))
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.forward(x, ONE_DEVICE)
+
+  def forward(self, x: jax.Array, ops: Ops) -> jax.Array:
+    """The block on one device or on a node (`disco.ops`)."""
+    y = self.conv2.forward(nnx.relu(self.conv1.forward(x, ops)), ops)
+    return nnx.relu(y + _skip(self.shortcut, x, ops))
 
 
 class Bottleneck(nnx.Module):
@@ -162,10 +174,18 @@ class Bottleneck(nnx.Module):
       in_features, 4 * width, stride, self.conv1, num_nodes, rngs
     )
 
-  def __call__(self, x):
-    y = nnx.relu(self.conv2(nnx.relu(self.conv1(x))))
-    y = self.conv3(y)
-    return nnx.relu(y + (x if self.shortcut is None else self.shortcut(x)))
+  def __call__(self, x: jax.Array) -> jax.Array:
+    return self.forward(x, ONE_DEVICE)
+
+  def forward(self, x: jax.Array, ops: Ops) -> jax.Array:
+    """The block on one device or on a node (`disco.ops`)."""
+    y = nnx.relu(self.conv2.forward(nnx.relu(self.conv1.forward(x, ops)), ops))
+    y = self.conv3.forward(y, ops)
+    return nnx.relu(y + _skip(self.shortcut, x, ops))
+
+
+def _skip(shortcut: _ConvBN | None, x: jax.Array, ops: Ops) -> jax.Array:
+  return x if shortcut is None else shortcut.forward(x, ops)
 
 
 def _shortcut(in_features, out_features, stride, first, num_nodes, rngs):
@@ -182,6 +202,9 @@ def _shortcut(in_features, out_features, stride, first, num_nodes, rngs):
   )
 
 
+BLOCKS = {"basic": BasicBlock, "bottleneck": Bottleneck}
+
+
 class ResNet(nnx.Module):
   """A ResNet whose every conv and the head are DISCO layers.
 
@@ -195,9 +218,22 @@ class ResNet(nnx.Module):
   Args:
     config: the architecture.
     rngs: random number streams.
+
+  Raises:
+    ConfigError: an unknown block type, or stage sizes and widths of
+      different lengths.
   """
 
   def __init__(self, config: ResNetConfig, *, rngs: nnx.Rngs):
+    if config.block not in BLOCKS:
+      raise ConfigError(
+        f"unknown block {config.block!r}: use one of {sorted(BLOCKS)}"
+      )
+    if len(config.stage_sizes) != len(config.widths):
+      raise ConfigError(
+        f"{len(config.stage_sizes)} stage sizes and {len(config.widths)} "
+        "widths: give one width per stage"
+      )
     self.config = config
     nodes = config.num_nodes
     self.stem = _ConvBN(
@@ -209,7 +245,7 @@ class ResNet(nnx.Module):
       num_nodes=nodes,
       rngs=rngs,
     )
-    block_type = {"basic": BasicBlock, "bottleneck": Bottleneck}[config.block]
+    block_type = BLOCKS[config.block]
     expansion = 4 if config.block == "bottleneck" else 1
     blocks = []
     features = config.stem_width
@@ -228,9 +264,22 @@ class ResNet(nnx.Module):
     )
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = nnx.relu(self.stem(x))
+    return self.forward(x, ONE_DEVICE)
+
+  def forward(self, x: jax.Array, ops: Ops) -> jax.Array:
+    """The logits on one device, or on a node (`disco.ops`)."""
+    x = nnx.relu(self.stem.forward(x, ops))
     if self.config.stem_pool:
       x = nnx.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
     for block in self.blocks:
-      x = block(x)
-    return self.head(jnp.mean(x, axis=(1, 2)))
+      x = block.forward(x, ops)
+    return ops.output(self.head, jnp.mean(x, axis=(1, 2)))
+
+
+@lowering.register(ResNet)
+def _node_weights(model: ResNet, packer: lowering.Packer) -> None:
+  """Every conv with its batch norm folded in, and the head."""
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, _ConvBN):
+      packer.layer(module.conv, norm=module.norm)
+  packer.layer(model.head)

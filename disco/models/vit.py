@@ -5,6 +5,10 @@ communication); the embedding dimension and the heads are split over the
 nodes (see `disco.transformer`); the class token and position embeddings
 are per channel, so each node keeps its own channels of them; the head is a
 `DiscoDense` reading the class token.
+
+The forward pass is written once, as `forward(x, ops)` (`disco.ops`); the
+lowering at the end of this file gives `disco.distributed` each node's
+weights for it.
 """
 
 import dataclasses
@@ -13,8 +17,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from disco import lowering
 from disco.errors import ConfigError
-from disco.layers import DiscoConv, DiscoDense
+from disco.layers import DiscoConv, DiscoDense, DiscoLayer
+from disco.ops import ONE_DEVICE, Ops
 from disco.transformer import (
   DiscoLayerNorm,
   DiscoMLP,
@@ -110,8 +116,12 @@ class EncoderBlock(nnx.Module):
     self.mlp = DiscoMLP(split, config.mlp_dim, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = x + self.attn(self.norm1(x))
-    return x + self.mlp(self.norm2(x))
+    return self.forward(x, ONE_DEVICE)
+
+  def forward(self, x: jax.Array, ops: Ops) -> jax.Array:
+    """The block on one device or on a node (`disco.ops`)."""
+    x = x + self.attn.forward(ops.layer(self.norm1, x), ops)
+    return x + self.mlp.forward(ops.layer(self.norm2, x), ops)
 
 
 class ViT(nnx.Module):
@@ -177,10 +187,26 @@ class ViT(nnx.Module):
     )
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = self.patch_embed(x)
+    return self.forward(x, ONE_DEVICE)
+
+  def forward(self, x: jax.Array, ops: Ops) -> jax.Array:
+    """The logits on one device, or on a node (`disco.ops`)."""
+    x = ops.layer(self.patch_embed, x)
     x = x.reshape(x.shape[0], -1, x.shape[-1])
-    cls = jnp.broadcast_to(self.cls_token[...], (x.shape[0], 1, x.shape[-1]))
-    x = jnp.concatenate([cls, x], axis=1) + self.pos_embed[...]
+    cls = ops.param(self.cls_token)
+    cls = jnp.broadcast_to(cls, (x.shape[0], 1, x.shape[-1]))
+    x = jnp.concatenate([cls, x], axis=1) + ops.param(self.pos_embed)
     for block in self.blocks:
-      x = block(x)
-    return self.head(self.norm(x[:, 0]))
+      x = block.forward(x, ops)
+    return ops.output(self.head, ops.layer(self.norm, x[:, 0]))
+
+
+@lowering.register(ViT)
+def _node_weights(model: ViT, packer: lowering.Packer) -> None:
+  """Every DISCO layer and LayerNorm; the node's embedding channels."""
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, (DiscoLayer, DiscoLayerNorm)):
+      packer.layer(module)
+  split = model.patch_embed.out_split
+  packer.param(model.cls_token, split)
+  packer.param(model.pos_embed, split)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from graphpipe.errors import ModelConfigError
+from graphpipe.models.attention import dot_product_attention
 
 
 def check_sizes(config) -> None:
@@ -233,9 +234,7 @@ class SelfAttention(nnx.Module):
     head_dim = hidden // self.num_heads
     qkv = self.qkv(x).reshape(batch, seq, 3, self.num_heads, head_dim)
     query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    logits = jnp.einsum("bqnd,bknd->bnqk", query, key) / jnp.sqrt(head_dim)
-    weights = jax.nn.softmax(logits, axis=-1)
-    context = jnp.einsum("bnqk,bknd->bqnd", weights, value)
+    context = dot_product_attention(query, key, value)
     return self.out(context.reshape(batch, seq, hidden))
 
 

@@ -49,7 +49,7 @@ def main():
   from disco import distributed
 
   model, images = case()
-  run = distributed.compile(model, distributed.node_mesh(2))
+  run = distributed.distribute(model, distributed.node_mesh(2))
   logits = run(images)
   result = {
     "process": jax.process_index(),

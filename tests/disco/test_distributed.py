@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from disco import checkpoint, distributed, hlo_bytes, metrics, prune
-from disco.errors import DiscoError
+from disco.errors import DiscoError, HloError
 from disco.layers import DiscoLayer
 from disco.models import ResNet, ResNetConfig, ViT, ViTConfig
 from disco.transformer import DiscoLayerNorm
@@ -71,7 +71,7 @@ def build(architecture: str, nodes: int, ratio: float):
 def compiled(case):
   model = build(*case)
   images = normal(sum(map(ord, str(case))), (2, 16, 16, 1))
-  run = distributed.compile(model)
+  run = distributed.distribute(model)
   return model, images, run, run(images)
 
 
@@ -124,7 +124,7 @@ def node_share(model, node: int) -> int:
 def test_dense_parallelism_runs_through_the_same_path():
   model, images, _, _ = compiled(("resnet", 2, 0.25))
   dense_model = metrics.with_masks(model, True)
-  dense = distributed.compile(dense_model)
+  dense = distributed.distribute(dense_model)
   np.testing.assert_allclose(dense(images), dense_model(images), atol=1e-5)
   assert dense.bytes_per_inference(1) == metrics.count(dense_model).bytes_sent
   assert dense.bytes_per_inference(1) > 3 * metrics.count(model).bytes_sent
@@ -132,7 +132,7 @@ def test_dense_parallelism_runs_through_the_same_path():
 
 def test_two_processes_equal_one_process():
   model, images = distributed_worker.case()
-  run = distributed.compile(model, distributed.node_mesh(2))
+  run = distributed.distribute(model, distributed.node_mesh(2))
   want = run(images)
   env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
   outputs = launch([WORKER], 2, 1, env=env, timeout=300)
@@ -148,10 +148,10 @@ def test_two_processes_equal_one_process():
 def test_mesh_of_another_size_is_refused():
   model, _, _, _ = compiled(("resnet", 2, 0.0))
   with pytest.raises(DiscoError, match="needs a 'node' axis of size 2"):
-    distributed.compile(model, distributed.node_mesh(4))
+    distributed.distribute(model, distributed.node_mesh(4))
   other = Mesh(np.array(jax.devices()[:2]), ("model",))
   with pytest.raises(DiscoError, match="'node' axis"):
-    distributed.compile(model, other)
+    distributed.distribute(model, other)
 
 
 @pytest.mark.parametrize(
@@ -167,7 +167,7 @@ def test_input_of_the_wrong_shape_is_refused(images):
 
 def test_unsupported_model_and_too_few_devices_are_refused():
   with pytest.raises(DiscoError, match="cannot be distributed"):
-    distributed.compile(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    distributed.distribute(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
   with pytest.raises(DiscoError, match="need 16 devices"):
     distributed.node_mesh(16)
 
@@ -221,7 +221,7 @@ def test_hlo_counter_refuses_collectives_in_a_loop():
     jax.shard_map(body, mesh=mesh, in_specs=P("node"), out_specs=P("node"))
   )
   text = program.lower(np.ones((2, 3), np.float32)).compile().as_text()
-  with pytest.raises(hlo_bytes.HloError, match="straight-line"):
+  with pytest.raises(HloError, match="straight-line"):
     hlo_bytes.collective_bytes(text)
 
 

@@ -8,7 +8,7 @@ from flax import nnx
 
 from disco.errors import DiscoError, PartitionError
 from disco.layers import CommMask, DiscoConv, DiscoDense
-from disco.partition import Split, split_channels
+from disco.splits import Split, split_channels
 from tests.disco.util import normal
 
 

@@ -1,5 +1,6 @@
 """ResNet and ViT built from DISCO layers, for any number of nodes."""
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -8,8 +9,9 @@ from disco import metrics
 from disco.errors import ConfigError, PartitionError
 from disco.layers import DiscoLayer
 from disco.models import ResNet, ResNetConfig, ViT, ViTConfig, resnet50_config
-from disco.partition import Split
+from disco.splits import Split
 from disco.transformer import DiscoLayerNorm
+from graphpipe.models.attention import dot_product_attention
 from tests.disco.util import normal
 
 IMAGES = np.random.default_rng(0).random((2, 16, 16, 1), np.float32)
@@ -74,6 +76,14 @@ def test_layer_norm_exact_and_per_node():
   np.testing.assert_allclose(local(x)[:, :6], left(x[:, :6]), atol=1e-5)
 
 
+def test_the_shared_attention_is_jax_dot_product_attention():
+  query = normal(1, (2, 5, 3, 4))  # batch, queries, heads, head_dim
+  key, value = normal(2, (2, 7, 3, 4)), normal(3, (2, 7, 3, 4))
+  want = jax.nn.dot_product_attention(query, key, value)
+  got = dot_product_attention(query, key, value)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_bad_configs_are_clear_errors():
   with pytest.raises(ConfigError, match="heads"):
     ViT(ViTConfig(dim=30, num_heads=4), rngs=nnx.Rngs(0))
@@ -83,6 +93,10 @@ def test_bad_configs_are_clear_errors():
     ViT(ViTConfig(num_nodes=8), rngs=nnx.Rngs(0))
   with pytest.raises(PartitionError, match="cannot split"):
     ResNet(ResNetConfig(num_nodes=32), rngs=nnx.Rngs(0))
+  with pytest.raises(ConfigError, match="unknown block"):
+    ResNet(ResNetConfig(block="wide"), rngs=nnx.Rngs(0))
+  with pytest.raises(ConfigError, match="one width per stage"):
+    ResNet(ResNetConfig(stage_sizes=(1, 1)), rngs=nnx.Rngs(0))
 
 
 def test_resnet50_structure():
