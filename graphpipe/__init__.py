@@ -9,6 +9,11 @@ The package is layered, lowest first; a layer imports only those below it:
 `core` (graph and plan data types), `frontend` (capture), `costs` (cost
 models), `schedules`, `simulator`, `planning`, `runtime`. The model zoo,
 `graphpipe.models`, sits beside them and is not imported here.
+
+Docstring examples assume `import graphpipe, jax, optax`, `import jax.numpy
+as jnp`, `import numpy as np`, `from flax import nnx` and `from
+graphpipe.models import capture_zoo` (tests/graphpipe/test_docstrings.py
+runs them all).
 """
 
 from graphpipe.core.graph import Edge, InputSpec, Node, OpGraph

@@ -16,8 +16,13 @@ def graph_fingerprint(graph: OpGraph) -> str:
   graph.
 
   Example:
-    >>> graph_fingerprint(graph)
-    'a3f9c1d2e4b5f607'
+    >>> graph = capture_zoo("two_branch", "tiny")
+    >>> fingerprint = graph_fingerprint(graph)
+    >>> len(fingerprint)                 # 16 hex digits of a SHA-256
+    16
+    >>> graph.save("graph.json")         # a graph read back is the same one
+    >>> graph_fingerprint(OpGraph.load("graph.json")) == fingerprint
+    True
 
   Args:
     graph: the operator graph.

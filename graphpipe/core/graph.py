@@ -99,10 +99,24 @@ class OpGraph:
   """A DAG of operator nodes with costs; the unit of planning.
 
   Example:
-    >>> graph = graphpipe.capture(loss_fn, model, batch)
+    >>> graph = capture_zoo("two_branch", "tiny")   # a captured zoo model
     >>> print(graph)                     # a table of nodes
-    >>> graph.successors(0), graph.totals()["fwd_flops"]
-    >>> graph.save("graph.json"); graphpipe.OpGraph.load("graph.json")
+    OpGraph two_branch tiny: 9 nodes, 8 edges, loss at [8] (figures per sample)
+      id name              fwd GFLOP bwd GFLOP params MB act KB saved KB preds
+    ------------------------------------------------------------------...
+       0 branches.0.layers.0  0.0000    0.0001    0.009   0.51    13.70  -
+       1 branches.0.layers.1  0.0000    0.0001    0.009   0.51    13.70  0
+    ...
+       8 classifier           0.0000    0.0000    0.001   0.00     0.16  3,7
+    ------------------------------------------------------------------...
+         total                0.0003    0.0006    0.072   4.10   109.72
+    >>> graph.successors(3), graph.predecessors(8), graph.sources()
+    ([8], [3, 7], [0, 4])
+    >>> graph.totals()["num_params"]
+    17957
+    >>> graph.save("graph.json")
+    >>> OpGraph.load("graph.json")       # structure and costs, no program
+    OpGraph(model='two_branch', nodes=9, edges=8)
 
   Args:
     nodes: nodes with ids 0..n-1 in a topological order.

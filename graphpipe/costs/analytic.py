@@ -67,7 +67,9 @@ class DeviceSpec:
     >>> spec = device_spec("v100")
     >>> spec.peak_flops["float32"] / 1e12, spec.devices_per_node
     (15.7, 4)
-    >>> dataclasses.replace(spec, memory_bytes=32 * 2**30)
+    >>> v100_32gb = dataclasses.replace(spec, memory_bytes=32 * 2**30)
+    >>> v100_32gb.memory_bytes / 2**30
+    32.0
 
   Args:
     name: preset name, e.g. 'v100'.
@@ -220,7 +222,10 @@ def best_time(fn: Callable, *args, repeats: int = 5) -> float:
   """The fastest of `repeats` timed calls of jitted `fn` (after a warm-up).
 
   Example:
-    >>> best_time(jax.jit(jnp.matmul), a, a)   # seconds
+    >>> a = jnp.ones((128, 128))
+    >>> seconds = best_time(jax.jit(jnp.matmul), a, a)
+    >>> 0 < seconds < 1
+    True
 
   Args:
     fn: a jitted function.
@@ -297,9 +302,13 @@ class AnalyticCostModel:
 
   Example:
     >>> model = AnalyticCostModel(device_spec("v100"))
-    >>> model.node_time(graph.nodes[3], batch=4, kind="fwd")
-    >>> model.transfer_time(2**20, src=0, dst=5)   # crosses nodes
+    >>> layer = Node(0, "ffn", fwd_flops=1e9, activation_bytes=4e6)
+    >>> model.node_time(layer, batch=4, kind="fwd")   # 4 GFLOP, seconds
+    0.000327...
+    >>> model.transfer_time(2**20, src=0, dst=5)   # crosses nodes: 12.5 GB/s
+    9.388608e-05
     >>> model.allreduce_time(256e6, devices=range(8))
+    0.03598...
 
   Args:
     spec: the device and its links.
@@ -366,7 +375,9 @@ class AnalyticCostModel:
     """Ring all-reduce: 2 (k - 1) steps of num_bytes / k on the slowest link.
 
     Example:
+      >>> model = AnalyticCostModel(device_spec("v100"))
       >>> model.allreduce_time(1e9, [0, 1, 2, 3])  # 1.5 GB over NVLink
+      0.03003
     """
     devices = list(devices)
     k = len(devices)

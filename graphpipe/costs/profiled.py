@@ -87,8 +87,23 @@ class ProfiledCostModel:
   still use a cache written earlier for the same graph and device.
 
   Example:
-    >>> model = ProfiledCostModel(graph, AnalyticCostModel(device_spec("h200")))
-    >>> plan = planner.plan(graph, 8, 64, cost_model=model)
+    >>> from graphpipe.costs import device_spec
+    >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(8, 1, rngs=nnx.Rngs(1)))
+    >>> loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+    >>> batch = {"x": jnp.ones((8, 4)), "y": jnp.ones((8, 1))}
+    >>> graph = graphpipe.capture(loss_fn, model, batch)
+    >>> cpu = AnalyticCostModel(device_spec("cpu"))   # this machine
+    >>> profiled = ProfiledCostModel(graph, cpu, batch_sizes=(1, 4),
+    ...                              cache_dir="profiles")
+    >>> profiled.cache_path              # fingerprint, device, batch sizes
+    'profiles/...-cpu_cpu-1_4.json'
+    >>> profiled.node_time(graph.nodes[0], batch=2, kind="fwd") > 0
+    True
+    >>> again = ProfiledCostModel(graph, cpu, (1, 4), cache_dir="profiles")
+    >>> again.times == profiled.times    # read from the cache, not re-timed
+    True
+    >>> plan = graphpipe.plan(graph, 2, 8, cost_model=profiled)
 
   Args:
     graph: the operator graph to profile.

@@ -156,8 +156,19 @@ def capture(
     >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
     ...                        nnx.Linear(8, 1, rngs=nnx.Rngs(1)))
     >>> loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
-    >>> graph = graphpipe.capture(loss_fn, model, {"x": x, "y": y})
+    >>> batch = {"x": jnp.ones((8, 4)), "y": jnp.zeros((8, 1))}
+    >>> graph = graphpipe.capture(loss_fn, model, batch)
     >>> print(graph)
+    OpGraph Sequential: 2 nodes, 1 edges, loss at [1] (figures per sample)
+      id name      fwd GFLOP  bwd GFLOP  params MB  act KB  saved KB  preds
+    -------------------------------------------------------------------...
+       0 layers.0     0.0000     0.0000      0.000    0.03      0.02  -
+       1 layers.1     0.0000     0.0000      0.000    0.00      0.04  0
+    -------------------------------------------------------------------...
+         total        0.0000     0.0000      0.000    0.03      0.05
+    >>> loss = graph.evaluate(model, batch)   # node by node
+    >>> bool(jnp.allclose(loss, loss_fn(model, batch)))
+    True
 
   Args:
     loss_fn: `loss_fn(model, batch) -> scalar`. For linen, `model` is the

@@ -151,7 +151,11 @@ def concat_branches(
   """Each branch on its own input, in order, concatenated along features.
 
   Example:
-    >>> concat_branches(model.branches, [x0, x1], "feature").shape
+    >>> branches = [MLP([8, 16], rngs=nnx.Rngs(0)),
+    ...             MLP([4, 32], rngs=nnx.Rngs(1))]
+    >>> inputs = [jnp.ones((2, 8)), jnp.ones((2, 4))]
+    >>> concat_branches(branches, inputs, "feature").shape   # 16 + 32
+    (2, 48)
 
   Args:
     branches: the branch modules.

@@ -38,7 +38,14 @@ def spend_spare_devices(
   while it does.
 
   Example:
-    >>> spend_spare_devices(graph, partition, costs).stages
+    >>> from graphpipe.costs import AnalyticCostModel, device_spec
+    >>> graph = capture_zoo("two_branch", "paper")   # the case study
+    >>> costs = StageCosts(graph, AnalyticCostModel(device_spec("v100")),
+    ...                    batch_size=8, num_devices=8, memory_bytes=16e9)
+    >>> part = Partition((((0, 1), 1), ((4, 5, 6, 7), 2), ((2, 3, 8), 1)),
+    ...                  micro_batch_size=2)     # 4 of the 8 devices
+    >>> spend_spare_devices(graph, part, costs).stages   # one more: the join
+    (((0, 1), 1), ((4, 5, 6, 7), 2), ((2, 3, 8), 2))
 
   Args:
     graph: the operator graph.
@@ -107,8 +114,17 @@ def assemble(
   order (ties: smallest node id first).
 
   Example:
-    >>> p = assemble(graph, partition, costs, "graphpipe")
+    >>> from graphpipe.costs import AnalyticCostModel, device_spec
+    >>> graph = capture_zoo("two_branch", "paper")   # the case study
+    >>> costs = StageCosts(graph, AnalyticCostModel(device_spec("v100")),
+    ...                    batch_size=8, num_devices=8, memory_bytes=16e9)
+    >>> one_block_each = [((n,), 1) for n in (0, 1, 2, 4, 5, 6, 7)]
+    >>> part = Partition((*one_block_each, ((3, 8), 1)), micro_batch_size=1)
+    >>> p = assemble(graph, part, costs, "graphpipe")
     >>> p.depth, [s.in_flight for s in p.stages]
+    (5, [4, 3, 2, 5, 4, 3, 2, 1])
+    >>> p.stage_edges
+    ((0, 1), (1, 2), (2, 7), (3, 4), (4, 5), (5, 6), (6, 7))
 
   Args:
     graph: the operator graph.
@@ -165,8 +181,12 @@ def place_devices(
   branch sit next to each other.
 
   Example:
-    >>> place_devices(graph, partition, cost_model, 8)
-    [(4, 5, 6, 7), (0,), (1,), (2,), (3,)]
+    >>> from graphpipe.costs import AnalyticCostModel, device_spec
+    >>> graph = capture_zoo("two_branch", "paper")
+    >>> part = Partition((((0, 1), 2), ((4, 5, 6, 7), 4), ((2, 3, 8), 2)),
+    ...                  micro_batch_size=4)
+    >>> place_devices(graph, part, AnalyticCostModel(device_spec("v100")), 8)
+    [(4, 5), (0, 1, 2, 3), (6, 7)]
 
   Args:
     graph: the operator graph (for parameter bytes).

@@ -48,8 +48,9 @@ def linearisations(graph: OpGraph) -> list[tuple[int, ...]]:
   """Distinct topological orders a sequential planner may cut.
 
   Example:
-    >>> linearisations(graph)[0]        # id order first
-    (0, 1, 2, ...)
+    >>> graph = capture_zoo("two_branch", "tiny")  # branches 0-3, 4-7; 8
+    >>> linearisations(graph)       # id order first, then level order
+    [(0, 1, 2, 3, 4, 5, 6, 7, 8), (0, 4, 1, 5, 2, 6, 3, 7, 8)]
 
   Args:
     graph: the operator graph.
@@ -93,8 +94,16 @@ class SequentialPartitioner:
   """PipeDream's DP over the best linearisation (module docstring).
 
   Example:
-    >>> partitions = SequentialPartitioner(graph, costs)(4)   # b = 4
-    >>> [len(p.stages) for p in partitions]
+    >>> from graphpipe.costs import AnalyticCostModel, device_spec
+    >>> graph = capture_zoo("two_branch", "paper")   # the case study
+    >>> costs = StageCosts(graph, AnalyticCostModel(device_spec("v100")),
+    ...                    batch_size=8, num_devices=8, memory_bytes=16e9)
+    >>> partitions = SequentialPartitioner(graph, costs)(1)   # b = 1
+    >>> partitions[0].stages        # a chain of 8 one-device stages
+    (((0,), 1), ((1,), 1), ((2,), 1), ((3,), 1), ((4,), 1), ((5,), 1),
+     ((6,), 1), ((7, 8), 1))
+    >>> partitions[0].chain
+    True
 
   Args:
     graph: the operator graph.
@@ -224,8 +233,14 @@ class GPipePartitioner:
   """Balanced chain stages, r replicas each, GPipe schedule (docstring).
 
   Example:
+    >>> from graphpipe.costs import AnalyticCostModel, device_spec
+    >>> graph = capture_zoo("two_branch", "paper")   # the case study
+    >>> costs = StageCosts(graph, AnalyticCostModel(device_spec("v100")),
+    ...                    batch_size=8, num_devices=8, memory_bytes=16e9)
     >>> partitions = GPipePartitioner(graph, costs)(4)    # b = 4
-    >>> partitions[0].schedule
+    >>> partitions[1].stages        # 4 balanced stages, 2 replicas each
+    (((0, 1), 2), ((2, 3), 2), ((4, 5), 2), ((6, 7, 8), 2))
+    >>> partitions[1].schedule
     'gpipe'
 
   Args:

@@ -43,7 +43,17 @@ def frontier(targets: list[float], max_depth: int, feasible, solve) -> list:
   each depth of `DEPTH_GRID` below the depth that solution used.
 
   Example:
-    >>> frontier(sorted(times), tree_depth, solver.feasible, solver.solve)
+    A toy model of 4 s of work per sample: a bottleneck of t seconds needs
+    4 / t stages on a path (rounded up). Solutions are (t, depth) pairs:
+
+    >>> def stages_needed(target):
+    ...   return next(d for d in range(1, 5) if target * d >= 4)
+    >>> def feasible(target, depth):
+    ...   return stages_needed(target) <= depth
+    >>> def solve(target, depth):
+    ...   return stages_needed(target), (target, stages_needed(target))
+    >>> frontier([1, 1.5, 2, 4], 4, feasible, solve)
+    [(1, 4), (1.5, 3), (2, 2), (4, 1)]
 
   Args:
     targets: candidate bottleneck times, ascending.

@@ -20,10 +20,20 @@ class DPSolver:
   Memo tables hold for one target; asking for another target clears them.
 
   Example:
-    >>> solver = DPSolver(tree, options, num_devices=8)
-    >>> solver.feasible(target, max_depth=8)
+    Every candidate stage of the tiny two-branch model here fits one
+    device (in-flight capacity 8) and takes 1 s per sample per node:
+
+    >>> from graphpipe.planning import sp
+    >>> dag = sp.Dag.of(capture_zoo("two_branch", "tiny"))
+    >>> tree = StageTree.build(sp.decompose(dag), dag, [1.0] * len(dag))
+    >>> options = [[(1, len(nodes), 8)] for nodes in tree.base_nodes]
+    >>> solver = DPSolver(tree, options, num_devices=4)
+    >>> solver.feasible(2.0, max_depth=8)   # 9 nodes, <= 2 a stage: 5 stages
+    False
+    >>> solver.feasible(4.0, max_depth=8)
     True
-    >>> depth, stages = solver.solve(target, max_depth=8)
+    >>> solver.solve(4.0, max_depth=8)      # (depth, stages)
+    (2, [((0, 1, 2, 3), 1), ((4, 5, 6, 7), 1), ((8,), 1)])
 
   Args:
     tree: the flattened series-parallel tree and its candidate stages.

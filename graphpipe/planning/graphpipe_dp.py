@@ -49,8 +49,13 @@ def light_nodes(graph: OpGraph, memory_bytes: float) -> list[int]:
   stage with the tail of any one branch, and chooses which.
 
   Example:
-    >>> light_nodes(capture_zoo("dlrm", "paper"), 16e9)   # the loss
-    [38]
+    >>> from graphpipe.core import Edge, Node
+    >>> layer = dict(fwd_flops=1e9, bwd_flops=2e9, saved_bytes=1e6)
+    >>> graph = OpGraph([Node(0, "layer0", **layer), Node(1, "layer1", **layer),
+    ...                  Node(2, "loss", fwd_flops=1e3)],
+    ...                 [Edge(0, 1, bytes=4e3), Edge(1, 2, bytes=4e3)])
+    >>> light_nodes(graph, 16e9)        # the loss
+    [2]
 
   Args:
     graph: the operator graph.
@@ -80,9 +85,14 @@ class GraphPipePartitioner:
   more data parallelism have shorter warm-ups); `plan` keeps the fastest.
 
   Example:
-    >>> costs = StageCosts(graph, model, 64, 8, 16e9)
-    >>> partitions = GraphPipePartitioner(graph, costs)(4)  # b = 4
-    >>> [(nodes, k) for nodes, k in partitions[0].stages]
+    >>> from graphpipe.costs import AnalyticCostModel, device_spec
+    >>> graph = capture_zoo("two_branch", "paper")   # the case study
+    >>> costs = StageCosts(graph, AnalyticCostModel(device_spec("v100")),
+    ...                    batch_size=8, num_devices=8, memory_bytes=16e9)
+    >>> partitions = GraphPipePartitioner(graph, costs)(1)  # b = 1
+    >>> partitions[0].stages        # both branches pipelined side by side
+    (((0,), 1), ((1,), 1), ((2,), 1), ((4,), 1), ((5,), 1), ((6,), 1),
+     ((7,), 1), ((3, 8), 1))
 
   Args:
     graph: the operator graph.

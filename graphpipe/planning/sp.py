@@ -44,8 +44,10 @@ class Dag:
   """A DAG whose vertices are groups of OpGraph nodes.
 
   Example:
+    >>> graph = capture_zoo("two_branch", "tiny")  # branches 0-3, 4-7; 8
     >>> dag = Dag.of(graph)                 # one vertex per node
-    >>> dag.groups[0], dag.edges[:2]
+    >>> dag.groups[:2], dag.edges[:2]
+    (((0,), (1,)), ((0, 1), (1, 2)))
 
   Args:
     groups: OpGraph node ids of each vertex; vertices are in a topological
@@ -111,7 +113,8 @@ def contract(graph: OpGraph, merge: Iterable[int]) -> Dag:
   cannot be merged safely stay on their own.
 
   Example:
-    >>> dag = contract(graph, [8])   # the glue join of two branches
+    >>> graph = capture_zoo("two_branch", "tiny")  # branches 0-3, 4-7; 8
+    >>> dag = contract(graph, [8])   # the join of the two branches
     >>> [g for g in dag.groups if len(g) > 1]
     [(3, 8)]
 
@@ -238,8 +241,9 @@ def decompose(dag: Dag) -> SPTree:
   """The series-parallel tree of `dag` (non-SP parts converted, see above).
 
   Example:
-    >>> tree = decompose(Dag.of(graph))
-    >>> print(tree)          # e.g. ((0 ; 1 ; 2 | 3 ; 4) ; 5)
+    >>> tree = decompose(Dag.of(capture_zoo("two_branch", "tiny")))
+    >>> print(tree)          # ';' in series, '|' in parallel
+    (((0 ; 1 ; 2 ; 3) | (4 ; 5 ; 6 ; 7)) ; 8)
     >>> tree.added_dependencies
     0
 

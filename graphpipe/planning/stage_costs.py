@@ -44,10 +44,14 @@ class StageCosts:
   placement comes after partitioning.
 
   Example:
+    >>> from graphpipe.costs import AnalyticCostModel, device_spec
+    >>> graph = capture_zoo("two_branch", "paper")   # the case study
     >>> costs = StageCosts(graph, AnalyticCostModel(device_spec("v100")),
-    ...                    batch_size=64, num_devices=8, memory_bytes=16e9)
-    >>> costs.time_per_sample((0, 1), micro_batch=4, num_devices=2)
+    ...                    batch_size=8, num_devices=8, memory_bytes=16e9)
+    >>> costs.time_per_sample((0, 1), micro_batch=4, num_devices=2)  # s
+    0.00233...
     >>> costs.in_flight_capacity((0, 1), micro_batch=4, num_devices=2)
+    84
 
   Args:
     graph: the operator graph.
@@ -196,7 +200,14 @@ def estimate_iteration_time(
     backward; the iteration ends with the last of them.
 
   Example:
-    >>> estimate_iteration_time(p, graph, AnalyticCostModel(spec))
+    >>> from graphpipe.costs import AnalyticCostModel, device_spec
+    >>> graph = capture_zoo("two_branch", "paper")
+    >>> p = graphpipe.plan(graph, num_devices=8, batch_size=8)
+    >>> v100 = AnalyticCostModel(device_spec("v100"))
+    >>> estimate_iteration_time(p, graph, v100)    # seconds
+    0.0290...
+    >>> graphpipe.simulate(p, graph, v100).iteration_time_s   # the events
+    0.0294...
 
   Args:
     p: the plan.

@@ -69,9 +69,14 @@ class StageTree:
     """Flattens `tree` (over `dag`'s groups) and numbers its candidates.
 
     Example:
+      >>> graph = capture_zoo("two_branch", "tiny")  # branches 0-3, 4-7; 8
       >>> dag = sp.Dag.of(graph)
       >>> flat = StageTree.build(sp.decompose(dag), dag, [1.0] * len(graph))
-      >>> flat.base_nodes[flat.leaf_base[flat.children[flat.root][0]]]
+      >>> root = flat.root
+      >>> flat.kind[root], [flat.kind[c] for c in flat.children[root]]
+      ('series', ['parallel', 'leaf'])
+      >>> flat.depth[root], len(flat.base_nodes)   # longest path, candidates
+      (5, 41)
 
     Args:
       tree: the series-parallel decomposition.

@@ -23,7 +23,15 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
   every device's memory (`stage_memory_bytes`) fits `memory_bytes`.
 
   Example:
-    >>> check_plan(plan(graph, 8, 64), graph, 16e9)
+    >>> graph = capture_zoo("two_branch", "paper")
+    >>> p = graphpipe.plan(graph, num_devices=8, batch_size=8)
+    >>> check_plan(p, graph, memory_bytes=16e9)   # passes silently
+    >>> check_plan(p, graph, memory_bytes=0.1 * 2**30)
+    Traceback (most recent call last):
+    ...
+    graphpipe.errors.PlanError: invalid plan: stage 0 needs 0.36 GiB per
+    device, over 0.1 GiB; stage 1 needs 0.317 GiB per device, over 0.1 GiB;
+    ...
 
   Args:
     p: the plan.

@@ -40,7 +40,15 @@ def launch(
   """Runs `python argv...` in `num_processes` local processes.
 
   Example:
-    >>> outputs = launch(["-m", "experiments.train", "--steps=2"], 2, 4)
+    Each process joins the run and reports its id and the global device
+    count (a real run launches e.g. `["-m", "experiments.train"]`):
+
+    >>> code = ("from graphpipe.runtime.launch import initialize_from_env; "
+    ...         "import jax; initialize_from_env(); "
+    ...         "print(jax.process_index(), jax.device_count())")
+    >>> outputs = launch(["-c", code], num_processes=2, devices_per_process=2)
+    >>> [out.splitlines()[-1] for out in outputs]
+    ['0 4', '1 4']
 
   Args:
     argv: arguments after `python` (e.g. ['-m', 'module', '--flag']).

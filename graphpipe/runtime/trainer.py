@@ -53,12 +53,32 @@ class Trainer:
   `jax.value_and_grad` of the unpipelined loss.
 
   Example:
-    >>> graph = graphpipe.capture(loss_fn, model, batch, granularity=2)
-    >>> plan = graphpipe.plan(graph, num_devices=4, batch_size=16)
-    >>> trainer = graphpipe.Trainer(plan, optax.adam(1e-3), graph=graph)
+    >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)),
+    ...                        nnx.Linear(8, 1, rngs=nnx.Rngs(2)))
+    >>> loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+    >>> batch = {"x": jnp.ones((16, 4)), "y": jnp.zeros((16, 1))}
+    >>> graph = graphpipe.capture(loss_fn, model, batch)
+
+    A model this small fits one device; under the tightest memory budget
+    the planner cuts it into a real pipeline:
+
+    >>> plan = graphpipe.tightest_plan(graph, num_devices=2, batch_size=16)
+    >>> print(plan)
+    Plan[graphpipe] 2 stages, depth 2, b=1 x 16 micro-batches, 2 devices,
+    schedule 1f1b
+      stage 0: nodes [0] on devices [0], b=1, in flight 2
+      stage 1: nodes [1, 2] on devices [1], b=1, in flight 1
+      edges: [(0, 1)]
+    >>> trainer = graphpipe.Trainer(plan, optax.sgd(0.01), graph=graph)
     >>> state = trainer.init(model)
+    >>> loss_before = float(loss_fn(model, batch))
     >>> state, metrics = trainer.step(state, batch)
-    >>> trainer.update_model(model, state)
+    >>> abs(metrics["loss"] - loss_before) < 1e-5   # the unpipelined loss
+    True
+    >>> model = trainer.update_model(model, state)  # the trained weights
+    >>> float(loss_fn(model, batch)) < loss_before
+    True
 
   Args:
     plan: the stage DAG (from `graphpipe.plan` or a baseline planner).

@@ -22,8 +22,11 @@ def schedule_for(plan: Plan, kind: str | None = None) -> Schedule:
   """The schedule of `kind` (default: the plan's own) for `plan`.
 
   Example:
-    >>> schedule = schedule_for(plan)           # plan.schedule, e.g. '1f1b'
-    >>> schedule = schedule_for(plan, "gpipe")
+    >>> plan = graphpipe.plan(capture_zoo("two_branch", "tiny"), 4, 8)
+    >>> schedule_for(plan).kind                 # plan.schedule
+    '1f1b'
+    >>> schedule_for(plan, "gpipe").in_flight   # every micro-batch stashed
+    (2, 2, 2)
 
   Args:
     plan: the stage DAG to schedule.
@@ -49,11 +52,20 @@ def one_f_one_b(plan: Plan) -> Schedule:
   (p - 1) / (m + p - 1) when balanced.
 
   Example:
-    >>> print(one_f_one_b(plan))        # 2 stages, 3 micro-batches
-    1f1b schedule: 2 stages, 3 micro-batches, 8 steps, in flight 2,1
-    step     0    1    2    3    4    5    6    7
-    dev 0  0F0  0F1    .  0B0  0F2  0B1    .  0B2
-    dev 1    .  1F0  1B0  1F1  1B1  1F2  1B2    .
+    >>> plan = graphpipe.plan(capture_zoo("two_branch", "tiny"), 4, 8)
+    >>> print(plan)                     # two branches joined by stage 2
+    Plan[graphpipe] 3 stages, depth 2, b=4 x 2 micro-batches, 4 devices,
+    schedule 1f1b
+      stage 0: nodes [0, 1, 2, 3] on devices [0], b=4, in flight 2
+      stage 1: nodes [4, 5, 6, 7] on devices [1], b=4, in flight 2
+      stage 2: nodes [8] on devices [2], b=4, in flight 1
+      edges: [(0, 2), (1, 2)]
+    >>> print(one_f_one_b(plan))
+    1f1b schedule: 3 stages, 2 micro-batches, 6 steps, in flight 2,2,1
+    step     0    1    2    3    4    5
+    dev 0  0F0  0F1    .  0B0    .  0B1
+    dev 1  1F0  1F1    .  1B0    .  1B1
+    dev 2    .  2F0  2B0  2F1  2B1    .
 
   Args:
     plan: stages (ids in topological order, disjoint device sets, one
@@ -79,6 +91,7 @@ def gpipe(plan: Plan) -> Schedule:
   balanced chain is (p - 1) / (m + p - 1), as for 1F1B, at more memory.
 
   Example:
+    >>> plan = graphpipe.plan(capture_zoo("two_branch", "tiny"), 4, 8)
     >>> [str(a) for a in gpipe(plan).actions(0)]    # 2 micro-batches
     ['0F0', '0F1', '0B0', '0B1']
 

@@ -29,14 +29,25 @@ def check_schedule(schedule: Schedule) -> None:
   grid with the offending cell in brackets and says how to fix it.
 
   Example:
+    >>> import dataclasses
+    >>> from graphpipe.schedules import gpipe, one_f_one_b
+    >>> plan = graphpipe.plan(capture_zoo("two_branch", "tiny"), 4, 8)
     >>> check_schedule(one_f_one_b(plan))      # passes silently
+
+    GPipe's order with 1F1B's in-flight bounds (2, 2, 1) stashes too much:
+
+    >>> bad = dataclasses.replace(gpipe(plan), in_flight=(2, 2, 1))
     >>> check_schedule(bad)
-    ScheduleError: stage 0 stashes 2 micro-batches at step 1 (0F1), more
-    than its in-flight bound 1: run a backward before this forward
-    step     0    1    2    3    4    5    6    7    8    9
-    dev 0  0F0 [0F1]   .  0B0  0F2  0B1  0F3  0B2    .  0B3
-    dev 1    .  1F0  1B0  1F1  1B1  1F2  1B2  1F3  1B3    .
-    Build schedules with graphpipe.schedules.one_f_one_b(plan) or ...
+    Traceback (most recent call last):
+    ...
+    graphpipe.errors.ScheduleError: stage 2 stashes 2 micro-batches at step 2
+    (2F1), more than its in-flight bound 1: run a backward before this forward
+    step     0    1    2    3    4    5
+    dev 0  0F0  0F1    .    .  0B0  0B1
+    dev 1  1F0  1F1    .    .  1B0  1B1
+    dev 2    .  2F0 [2F1] 2B0  2B1    .
+    Build schedules with graphpipe.schedules.one_f_one_b(plan) or
+    gpipe(plan), or move the marked action.
 
   Args:
     schedule: the schedule to check.

@@ -71,10 +71,18 @@ class Schedule:
   """Per device, the action it runs at each tick (None: idle).
 
   Example:
-    >>> schedule = one_f_one_b(plan)
+    >>> plan = graphpipe.plan(capture_zoo("two_branch", "tiny"), 4, 8)
+    >>> schedule = graphpipe.schedule_for(plan)   # two branches, a join
     >>> print(schedule)                 # the device x step grid
-    >>> schedule.actions(0)             # device 0's ordered actions
-    >>> schedule.ticks()[Action(1, "B", 0)]
+    1f1b schedule: 3 stages, 2 micro-batches, 6 steps, in flight 2,2,1
+    step     0    1    2    3    4    5
+    dev 0  0F0  0F1    .  0B0    .  0B1
+    dev 1  1F0  1F1    .  1B0    .  1B1
+    dev 2    .  2F0  2B0  2F1  2B1    .
+    >>> [str(a) for a in schedule.actions(2)]   # device 2's ordered actions
+    ['2F0', '2B0', '2F1', '2B1']
+    >>> schedule.ticks()[Action(2, "B", 0)]     # the step it runs at
+    2
 
   Args:
     kind: '1f1b' or 'gpipe' (or any name for a hand-made schedule).
@@ -193,10 +201,13 @@ def format_grid(
   """The device x step grid as text, one row per device that runs a stage.
 
   Example:
-    >>> print(format_grid(schedule, mark=(1, 3)))
-    step     0    1    2    3    4    5    6    7
-    dev 0  0F0  0F1    .  0B0  0F2  0B1    .  0B2
-    dev 1    .  1F0  1B0 [1F1] 1B1  1F2  1B2    .
+    >>> plan = graphpipe.plan(capture_zoo("two_branch", "tiny"), 4, 8)
+    >>> schedule = graphpipe.schedule_for(plan)
+    >>> print(format_grid(schedule, mark=(2, 3)))
+    step     0    1    2    3    4    5
+    dev 0  0F0  0F1    .  0B0    .  0B1
+    dev 1  1F0  1F1    .  1B0    .  1B1
+    dev 2    .  2F0  2B0 [2F1] 2B1    .
 
   Args:
     schedule: the schedule to print.

@@ -49,9 +49,14 @@ class Report:
   """What `simulate` measured for one iteration of a plan.
 
   Example:
-    >>> report = simulate(plan, graph, cost_model)
+    >>> graph = capture_zoo("two_branch", "paper")   # the case study
+    >>> plan = graphpipe.plan(graph, num_devices=8, batch_size=8)
+    >>> report = simulate(plan, graph, AnalyticCostModel(device_spec("v100")))
     >>> print(report)
-    >>> report.save_trace("trace.json"); report.save_gantt("schedule.png")
+    graphpipe (1f1b): iteration 29.44 ms, 271.8 samples/s, bubble 35.2%,
+    peak memory 0.403 GiB of 15.8 GiB, stash per stage [4, 3, 2, 5, 4, 3, 2, 1]
+    >>> report.save_trace("trace.json")   # open it in https://ui.perfetto.dev
+    >>> report.save_gantt("schedule.png")
 
   Args:
     planner: the plan's planner.
@@ -164,9 +169,12 @@ def simulate(
   """Times one training iteration of `plan` (see the module docstring).
 
   Example:
-    >>> plan = graphpipe.planner.plan(graph, 8, 64)
-    >>> report = simulate(plan, graph)
-    >>> report.throughput_samples_per_s, report.bubble_fraction
+    >>> graph = capture_zoo("two_branch", "paper")   # the case study
+    >>> for planner in ("graphpipe", "sequential"):
+    ...   report = simulate(graphpipe.plan(graph, 8, 8, planner=planner), graph)
+    ...   print(planner, round(report.throughput_samples_per_s), "samples/s")
+    graphpipe 272 samples/s
+    sequential 224 samples/s
 
   Args:
     plan: the stage DAG.

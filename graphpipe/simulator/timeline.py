@@ -35,6 +35,8 @@ class TraceEvent:
 
   Example:
     >>> TraceEvent("2F0", "forward", device=3, start_s=0.1, duration_s=0.02)
+    TraceEvent(name='2F0', category='forward', device=3, start_s=0.1,
+               duration_s=0.02, lane='compute', args={})
 
   Args:
     name: what ran, e.g. '2F0' or 'act 1F0 1->2'.
@@ -65,8 +67,14 @@ def chrome_trace(
   """The events in Chrome's Trace Event Format (times in microseconds).
 
   Example:
+    >>> graph = capture_zoo("two_branch", "tiny")
+    >>> report = graphpipe.simulate(graphpipe.plan(graph, 4, 8), graph)
     >>> trace = chrome_trace(report.events, {0: "device 0 (stage 0)"})
-    >>> json.dump(trace, open("trace.json", "w"))   # open in Perfetto
+    >>> trace["traceEvents"][0]         # names device 0's track
+    {'name': 'process_name', 'ph': 'M', 'pid': 0, 'tid': 0,
+     'args': {'name': 'device 0 (stage 0)'}}
+    >>> with open("trace.json", "w") as f:   # open it in Perfetto
+    ...   json.dump(trace, f)
 
   Args:
     events: the events to show.
@@ -120,6 +128,8 @@ def save_chrome_trace(
   """Writes `chrome_trace(events, track_names, metadata)` as JSON to `path`.
 
   Example:
+    >>> graph = capture_zoo("two_branch", "tiny")
+    >>> report = graphpipe.simulate(graphpipe.plan(graph, 4, 8), graph)
     >>> save_chrome_trace("trace.json", report.events)
 
   Args:
@@ -144,7 +154,9 @@ def save_gantt(
   extra); raises `PlotsUnavailableError` without it.
 
   Example:
-    >>> save_gantt("schedule.png", report.events, title="mmt, 8 devices")
+    >>> graph = capture_zoo("two_branch", "tiny")
+    >>> report = graphpipe.simulate(graphpipe.plan(graph, 4, 8), graph)
+    >>> save_gantt("schedule.png", report.events, title="two_branch, 4 GPUs")
 
   Args:
     path: the PNG file to write.
