@@ -5,15 +5,21 @@
 Every planner answers the same question for each micro-batch size b (powers
 of two dividing the batch, or the sizes given): which stages, on how many
 devices each, minimise the bottleneck stage's time per sample
-(`graphpipe.planning.stage_costs.StageCosts`) within the memory budget, and,
-among those, have the fewest micro-batches in flight at the source. Each
-returns that plan plus the fastest plans under a few smaller depth bounds (a
-shallower pipeline with more data parallelism has a shorter warm-up). `plan`
-then gives spare devices where they shorten the iteration, places stages on
-devices, derives stage edges and in-flight counts, and keeps the candidate
-with the shortest estimated iteration (`estimate_iteration_time`);
-candidates within 10% of the best are simulated (`graphpipe.simulate`, the
-schedule the plan will run) and the fastest wins.
+(`graphpipe.planning.stage_costs.StageCosts`) within the memory budget. A
+DP's single answer is not always the fastest plan, so each partitioner
+offers the plans its DP would discard but the simulator may prefer
+(`graphpipe.planning.candidates.frontier`): the fewest stages at the best
+target and more stages at the same target, shallower pipelines under
+smaller depth bounds, stages filled from the front and from the back, and
+all of these again under a second metric that leaves each stage's
+all-reduce and optimizer step off the critical path
+(`StageCosts.steady_time_per_sample`). `plan` gives spare devices where
+they shorten the iteration, places stages on devices, derives stage edges
+and in-flight counts, ranks every candidate by `estimate_iteration_time`,
+runs a local search (`graphpipe.planning.refine`) from the best plan of
+the best few micro-batch sizes, and finally simulates candidates best
+estimate first (`graphpipe.simulate`, the schedule each plan will run)
+until the next estimate is no better than the fastest simulated plan.
 
 Also here: `tightest_plan` (the plan under the smallest memory that fits,
 to make small models really pipeline) and `plan_and_simulate`.
@@ -42,6 +48,7 @@ from graphpipe.planning import baselines
 from graphpipe.planning.assemble import assemble, spend_spare_devices
 from graphpipe.planning.candidates import Partition
 from graphpipe.planning.graphpipe_dp import GraphPipePartitioner
+from graphpipe.planning.refine import refine
 from graphpipe.planning.stage_costs import StageCosts, estimate_iteration_time
 from graphpipe.schedules.builders import schedule_for
 from graphpipe.schedules.grid import Schedule
@@ -55,10 +62,10 @@ __all__ = [
 ]
 
 PLANNERS = ("graphpipe", "sequential", "gpipe")
-# Candidates whose estimate is within 10% of the best are simulated, best
-# estimate first, up to about a second of simulation (~20 us an action).
-_CLOSE_CALL = 1.1
-_SIMULATED_ACTIONS = 50_000
+# Simulation budget per search, in actions (~50 us each: about a second).
+_SIMULATED_ACTIONS = 20_000
+# Local search starts from the best plan of this many micro-batch sizes.
+_REFINED = 3
 
 
 def plan(
@@ -169,32 +176,102 @@ def _search(
   costs = StageCosts(graph, cost_model, batch_size, num_devices, memory_bytes)
   partition = _partitioner(graph, planner, costs)
   fingerprint = graph_fingerprint(graph)
-  candidates = []
+  timing = _NodeTimes(cost_model)
+  candidates: dict[Partition, tuple | None] = {}
+
+  def evaluate(part: Partition) -> tuple | None:
+    """(estimate, in flight at the source, -b, plan), None if over memory."""
+    if part not in candidates:
+      p = assemble(graph, part, costs, planner, fingerprint)
+      fits = all(
+        costs.in_flight_capacity(s.nodes, s.micro_batch_size, len(s.devices))
+        >= s.in_flight
+        for s in p.stages
+      )
+      candidates[part] = None
+      if fits:
+        estimate = estimate_iteration_time(p, graph, timing)
+        candidates[part] = (estimate, p.stages[0].in_flight, -b_of(p), p)
+    return candidates[part]
+
   for b in sizes:
     for part in partition(b):
       if part.schedule == "1f1b":
         part = spend_spare_devices(graph, part, costs)
-      candidate = assemble(graph, part, costs, planner, fingerprint)
-      estimate = estimate_iteration_time(candidate, graph, cost_model)
-      candidates.append(
-        (estimate, candidate.stages[0].in_flight, -b, candidate)
-      )
-  if not candidates:
+      evaluate(part)
+  ranked = sorted(
+    ((c[:3], part) for part, c in candidates.items() if c is not None),
+    key=lambda x: x[0],
+  )
+  if not ranked:
     return None
-  candidates.sort(key=lambda c: c[:3])
-  # The estimate is within a few percent of the event simulation; close
-  # calls are settled by simulating the schedule the plan will run.
-  close = [c for c in candidates if c[0] <= _CLOSE_CALL * candidates[0][0]]
-  if len(close) == 1:
-    return close[0][3]
-  timed, budget = [], _SIMULATED_ACTIONS
-  for c in close:
+  # The DPs rank by the bottleneck; with few micro-batches, fill, drain and
+  # the last optimizer step matter too: local search from the best plan of
+  # each of the best few micro-batch sizes (near-copies of one plan would
+  # all lead to the same place).
+  starts: dict[int, Partition] = {}
+  for _, part in ranked:
+    if len(starts) == _REFINED:
+      break
+    starts.setdefault(part.micro_batch_size, part)
+  for part in starts.values():
+    if part.schedule == "1f1b":
+      refine(
+        graph,
+        part,
+        num_devices,
+        lambda q: (evaluate(q) or (None,))[0],
+        lambda nodes, k, b=part.micro_batch_size: costs.microbatch_time(
+          nodes, b, k
+        ),
+      )
+  found = sorted(
+    (c for c in candidates.values() if c is not None), key=lambda c: c[:3]
+  )
+  # The estimate is a few percent under the event simulation at most
+  # (rarely a little over): simulate the schedule each plan will run, best
+  # estimate first, until the next estimate is no better than the fastest
+  # simulated plan (or the simulation budget is spent).
+  best, budget = None, _SIMULATED_ACTIONS
+  for c in found:
+    if best is not None and c[0] >= best[0]:
+      break
     actions = 2 * c[3].num_microbatches * c[3].num_stages
-    if timed and actions > budget:
+    if best is not None and actions > budget:
       continue
     budget -= actions
-    timed.append((simulate(c[3], graph, cost_model).iteration_time_s, *c[1:]))
-  return min(timed, key=lambda c: c[:3])[3]
+    seconds = simulate(c[3], graph, cost_model).iteration_time_s
+    if best is None or (seconds, *c[1:3]) < best[:3]:
+      best = (seconds, *c[1:])
+  return best[3]
+
+
+def b_of(p: Plan) -> int:
+  return p.micro_batch_size
+
+
+class _NodeTimes:
+  """A cost model whose node times are memoised (one search, one graph)."""
+
+  def __init__(self, cost_model: CostModel):
+    self.model = cost_model
+    self.memory_bytes = cost_model.memory_bytes
+    self._times: dict[tuple, float] = {}
+
+  def node_time(self, node, batch, kind) -> float:
+    key = (node.id, batch, kind)
+    if key not in self._times:
+      self._times[key] = self.model.node_time(node, batch, kind)
+    return self._times[key]
+
+  def transfer_time(self, num_bytes, src, dst) -> float:
+    return self.model.transfer_time(num_bytes, src, dst)
+
+  def allreduce_time(self, num_bytes, devices) -> float:
+    return self.model.allreduce_time(num_bytes, devices)
+
+  def optimizer_time(self, param_bytes) -> float:
+    return self.model.optimizer_time(param_bytes)
 
 
 def _no_plan_error(
