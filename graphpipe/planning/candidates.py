@@ -22,12 +22,19 @@ class Partition:
     chain: consecutive stages depend on each other (a sequential pipeline),
       besides the edges the operator graph implies.
     schedule: '1f1b' or 'gpipe'.
+    sizes: per stage, its own micro-batch size when stages differ
+      (`graphpipe.core.stages`); empty: `micro_batch_size` for all.
   """
 
   stages: tuple[tuple[tuple[int, ...], int], ...]
   micro_batch_size: int
   chain: bool = False
   schedule: str = "1f1b"
+  sizes: tuple[int, ...] = ()
+
+  def size(self, stage: int) -> int:
+    """The micro-batch size of stage `stage` (an index of `stages`)."""
+    return self.sizes[stage] if self.sizes else self.micro_batch_size
 
 
 # Depth bounds tried besides the fastest plan's own: a rough geometric grid,

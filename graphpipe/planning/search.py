@@ -48,6 +48,7 @@ from graphpipe.planning import baselines
 from graphpipe.planning.assemble import assemble, spend_spare_devices
 from graphpipe.planning.candidates import Partition
 from graphpipe.planning.graphpipe_dp import GraphPipePartitioner
+from graphpipe.planning.micro_batches import grow_micro_batches
 from graphpipe.planning.refine import refine
 from graphpipe.planning.stage_costs import StageCosts, estimate_iteration_time
 from graphpipe.schedules.builders import schedule_for
@@ -77,6 +78,7 @@ def plan(
   cost_model: CostModel | None = None,
   memory_bytes: float | None = None,
   micro_batch_sizes: Sequence[int] | None = None,
+  per_stage_micro_batches: bool = False,
 ) -> Plan:
   """A stage graph for `graph` on `num_devices` devices.
 
@@ -101,6 +103,10 @@ def plan(
     memory_bytes: per-device budget; default the cost model's capacity.
     micro_batch_sizes: sizes to search; default every power of two that
       divides `batch_size`.
+    per_stage_micro_batches: let GraphPipe's stages take micro-batches a
+      power of two larger than their predecessors' where the estimate
+      gains (`graphpipe.planning.micro_batches`). The simulator times such
+      plans; `graphpipe.Trainer` does not run them yet.
 
   Raises:
     PlanError: no plan fits (the message names the smallest per-device
@@ -115,8 +121,16 @@ def plan(
   if memory_bytes is None:
     memory_bytes = cost_model.memory_bytes
   sizes = _micro_batch_sizes(batch_size, micro_batch_sizes)
+  per_stage = per_stage_micro_batches and planner == "graphpipe"
   best = _search(
-    graph, num_devices, batch_size, planner, cost_model, memory_bytes, sizes
+    graph,
+    num_devices,
+    batch_size,
+    planner,
+    cost_model,
+    memory_bytes,
+    sizes,
+    per_stage=per_stage,
   )
   if best is None:
     raise _no_plan_error(
@@ -170,7 +184,14 @@ def _partitioner(
 
 
 def _search(
-  graph, num_devices, batch_size, planner, cost_model, memory_bytes, sizes
+  graph,
+  num_devices,
+  batch_size,
+  planner,
+  cost_model,
+  memory_bytes,
+  sizes,
+  per_stage: bool = False,
 ) -> Plan | None:
   """The fastest candidate plan (see the module docstring), or None."""
   costs = StageCosts(graph, cost_model, batch_size, num_devices, memory_bytes)
@@ -214,17 +235,27 @@ def _search(
     if len(starts) == _REFINED:
       break
     starts.setdefault(part.micro_batch_size, part)
+  def estimated(part: Partition) -> float | None:
+    found = evaluate(part)
+    return None if found is None else found[0]
+
   for part in starts.values():
-    if part.schedule == "1f1b":
-      refine(
-        graph,
-        part,
-        num_devices,
-        lambda q: (evaluate(q) or (None,))[0],
-        lambda nodes, k, b=part.micro_batch_size: costs.microbatch_time(
-          nodes, b, k
-        ),
-      )
+    if part.schedule != "1f1b":
+      continue
+    refined = refine(
+      graph,
+      part,
+      num_devices,
+      estimated,
+      lambda nodes, k, b=part.micro_batch_size: costs.microbatch_time(
+        nodes, b, k
+      ),
+    )
+    if per_stage:
+      # Per-stage sizes (GraphPipe's extension): grow them from the
+      # uniform plans found so far.
+      for uniform in dict.fromkeys([part, refined]):
+        grow_micro_batches(graph, uniform, batch_size, estimated)
   found = sorted(
     (c for c in candidates.values() if c is not None), key=lambda c: c[:3]
   )
