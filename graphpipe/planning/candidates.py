@@ -43,7 +43,13 @@ class Partition:
 DEPTH_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-def frontier(targets: list[float], max_depth: int, feasible, solve) -> list:
+def frontier(
+  targets: list[float],
+  max_depth: int,
+  feasible,
+  solve,
+  from_below: bool = False,
+) -> list:
   """Solutions on the frontier of bottleneck time against pipeline depth.
 
   Binary search on the sorted candidate targets (bottleneck times per
@@ -68,12 +74,30 @@ def frontier(targets: list[float], max_depth: int, feasible, solve) -> list:
       `shallowest`, else those the DP finds under the bound itself (a
       partitioner may return several, e.g. stages filled from the front
       and from the back).
+    from_below: search the targets upward from the smallest (galloping,
+      then bisecting) instead of bisecting the whole list: for solvers
+      whose cost explodes with the target (Piper's), at the price of a
+      few more calls.
   """
-  if not targets or not feasible(targets[-1], max_depth):
+  if not targets:
     return []
 
-  def fastest(low: int, depth: int) -> int:
+  def fastest(low: int, depth: int) -> int | None:
+    """The smallest feasible index from `low` on, or None."""
     high = len(targets) - 1
+    if from_below:
+      step = 1
+      while not feasible(targets[low], depth):
+        if low == len(targets) - 1:
+          return None
+        low, high = low + 1, min(low + step, len(targets) - 1)
+        if feasible(targets[high], depth):
+          break
+        low, step = high, 2 * step
+      else:
+        return low
+    elif not feasible(targets[high], depth):
+      return None
     while low < high:
       middle = (low + high) // 2
       if feasible(targets[middle], depth):
@@ -83,15 +107,17 @@ def frontier(targets: list[float], max_depth: int, feasible, solve) -> list:
     return low
 
   index = fastest(0, max_depth)
+  if index is None:
+    return []
   depth, found = solve(targets[index], max_depth, True)
   found = list(found)
   deeper = [d for d in DEPTH_GRID if depth < d < max_depth]
   for bound in deeper + ([max_depth] if depth < max_depth else []):
     found += solve(targets[index], bound, False)[1]
   for bound in [d for d in DEPTH_GRID if d < depth][::-1]:
-    if not feasible(targets[-1], bound):
-      break
     index = fastest(index, bound)
+    if index is None:
+      break
     found += solve(targets[index], bound, True)[1]
   return found
 

@@ -49,6 +49,7 @@ from graphpipe.planning.assemble import assemble, spend_spare_devices
 from graphpipe.planning.candidates import Partition
 from graphpipe.planning.graphpipe_dp import GraphPipePartitioner
 from graphpipe.planning.micro_batches import grow_micro_batches
+from graphpipe.planning.piper import PIPER_BUDGET, PiperPartitioner
 from graphpipe.planning.refine import refine
 from graphpipe.planning.stage_costs import StageCosts, estimate_iteration_time
 from graphpipe.schedules.builders import schedule_for
@@ -62,9 +63,11 @@ __all__ = [
   "tightest_plan",
 ]
 
-PLANNERS = ("graphpipe", "sequential", "gpipe")
-# Simulation budget per search, in actions (~50 us each: about a second).
+PLANNERS = ("graphpipe", "sequential", "gpipe", "piper")
+# Simulation budget per search, in actions (~50 us each: about a second),
+# and in plans.
 _SIMULATED_ACTIONS = 20_000
+_SIMULATED_PLANS = 32
 # Local search starts from the best plan of this many micro-batch sizes.
 _REFINED = 3
 
@@ -79,6 +82,7 @@ def plan(
   memory_bytes: float | None = None,
   micro_batch_sizes: Sequence[int] | None = None,
   per_stage_micro_batches: bool = False,
+  piper_budget: int = PIPER_BUDGET,
 ) -> Plan:
   """A stage graph for `graph` on `num_devices` devices.
 
@@ -94,8 +98,9 @@ def plan(
     num_devices: devices the plan may use.
     batch_size: samples per iteration (the mini-batch).
     planner: 'graphpipe' (graph pipeline), 'sequential' (PipeDream-style
-      1F1B over the best linearisation) or 'gpipe' (balanced chain, GPipe
-      schedule).
+      1F1B over the best linearisation), 'gpipe' (balanced chain, GPipe
+      schedule) or 'piper' (a 1F1B sequence of down-set differences,
+      `graphpipe.planning.piper`).
     device: a preset name of `graphpipe.costs.PRESETS` or a `DeviceSpec`;
       used when `cost_model` is None.
     cost_model: times of nodes and communication; default the analytic
@@ -107,10 +112,13 @@ def plan(
       power of two larger than their predecessors' where the estimate
       gains (`graphpipe.planning.micro_batches`). The simulator times such
       plans; `graphpipe.Trainer` does not run them yet.
+    piper_budget: stages Piper may price before it gives up (its search
+      is exponential in the number of parallel branches).
 
   Raises:
     PlanError: no plan fits (the message names the smallest per-device
-      memory, or device count, that would), bad arguments.
+      memory, or device count, that would), Piper ran out of budget, bad
+      arguments.
   """
   start = time.perf_counter()
   _check_arguments(graph, num_devices, batch_size, planner)
@@ -131,6 +139,7 @@ def plan(
     memory_bytes,
     sizes,
     per_stage=per_stage,
+    piper_budget=piper_budget,
   )
   if best is None:
     raise _no_plan_error(
@@ -174,12 +183,14 @@ def _micro_batch_sizes(
 
 
 def _partitioner(
-  graph: OpGraph, planner: str, costs: StageCosts
+  graph: OpGraph, planner: str, costs: StageCosts, piper_budget: int
 ) -> Callable[[int], list[Partition]]:
   if planner == "graphpipe":
     return GraphPipePartitioner(graph, costs)
   if planner == "sequential":
     return baselines.SequentialPartitioner(graph, costs)
+  if planner == "piper":
+    return PiperPartitioner(graph, costs, piper_budget)
   return baselines.GPipePartitioner(graph, costs)
 
 
@@ -192,10 +203,11 @@ def _search(
   memory_bytes,
   sizes,
   per_stage: bool = False,
+  piper_budget: int = PIPER_BUDGET,
 ) -> Plan | None:
   """The fastest candidate plan (see the module docstring), or None."""
   costs = StageCosts(graph, cost_model, batch_size, num_devices, memory_bytes)
-  partition = _partitioner(graph, planner, costs)
+  partition = _partitioner(graph, planner, costs, piper_budget)
   fingerprint = graph_fingerprint(graph)
   timing = _NodeTimes(cost_model)
   candidates: dict[Partition, tuple | None] = {}
@@ -235,6 +247,7 @@ def _search(
     if len(starts) == _REFINED:
       break
     starts.setdefault(part.micro_batch_size, part)
+
   def estimated(part: Partition) -> float | None:
     found = evaluate(part)
     return None if found is None else found[0]
@@ -263,13 +276,17 @@ def _search(
   # (rarely a little over): simulate the schedule each plan will run, best
   # estimate first, until the next estimate is no better than the fastest
   # simulated plan (or the simulation budget is spent).
-  best, budget = None, _SIMULATED_ACTIONS
+  best, budget, timed = None, _SIMULATED_ACTIONS, set()
   for c in found:
-    if best is not None and c[0] >= best[0]:
+    if best is not None and (c[0] >= best[0] or len(timed) == _SIMULATED_PLANS):
       break
+    # Plans the estimate cannot tell apart (mirror images: the same stages
+    # on other branches or devices) are simulated once.
+    twin = round(c[0], 12)
     actions = 2 * c[3].num_microbatches * c[3].num_stages
-    if best is not None and actions > budget:
+    if best is not None and (actions > budget or twin in timed):
       continue
+    timed.add(twin)
     budget -= actions
     seconds = simulate(c[3], graph, cost_model).iteration_time_s
     if best is None or (seconds, *c[1:3]) < best[:3]:

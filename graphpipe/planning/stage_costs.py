@@ -227,9 +227,11 @@ def estimate_iteration_time(
     predecessor's micro-batches), w_s forwards follow at the pace, the
     other M_s - w_s one per cadence; the last forward also waits for every
     predecessor's last forward.
-  drain: after its last forward a stage runs the w_s backwards it holds;
-    the last of them also waits for the last micro-batch's gradients from
-    every successor (they return in k pieces to a stage of b_p = b_s / k);
+  drain: after its last forward a stage runs the w_s backwards it holds,
+    from when the first of their gradients is back (a successor's last
+    backwards run back to back, earlier ones at its cadence); the last
+    also waits for the last gradients from every successor (they return
+    in k pieces to a stage of b_p = b_s / k);
   end: each stage's all-reduce and optimizer step start after its own last
     backward; the iteration ends with the last of them.
 
@@ -322,12 +324,33 @@ def estimate_iteration_time(
     )
   end = 0.0
   backward_end = [0.0] * n
+
+  def gradient_ready(t: int, microbatch: int) -> float:
+    """When stage t's backward of its micro-batch `microbatch` ends: its
+    last w_t backwards run back to back, earlier ones at its cadence."""
+    behind = count[t] - 1 - microbatch
+    if behind < warm[t]:
+      return backward_end[t] - behind * bwd[t]
+    return (
+      backward_end[t]
+      - (warm[t] - 1) * bwd[t]
+      - (behind - warm[t] + 1) * cadence[t] * size[t]
+    )
+
   for s in reversed(range(n)):
-    # After its last forward a stage still owes the backwards of what it
-    # holds in flight (all of them under GPipe); the last of them also
-    # waits for the successors' last gradients.
+    # After its last forward a stage owes the backwards of the w_s
+    # micro-batches it holds (all of them under GPipe): they start when
+    # the first of their gradients is back and end no sooner than the
+    # last gradient allows.
+    first = (count[s] - warm[s]) * size[s]  # its first owed sample
+    start = max(
+      [forward_end[s]]
+      + [
+        gradient_ready(t, first // size[t]) + transfer[(s, t)] for t in succs[s]
+      ]
+    )
     backward_end[s] = max(
-      [forward_end[s] + warm[s] * bwd[s]]
+      [start + warm[s] * bwd[s]]
       + [
         backward_end[t] + pieces[(s, t)][0] * transfer[(s, t)] + bwd[s]
         for t in succs[s]
