@@ -219,8 +219,11 @@ def _moves(state: _State, reach: _Reach, chain: bool, divisors, devices, busy):
     movable = [(i, j) for i in stages for j in stages if i < j]
   for i, j in movable:
     # Nodes of i that may join j, and nodes of j that may join i.
-    yield from _node_moves(state, reach, chain, i, j, spare)
-    yield from _node_moves(state, reach, chain, j, i, spare)
+    yield from _node_moves(state, reach, chain, i, j)
+    yield from _node_moves(state, reach, chain, j, i)
+  if spare >= 1:
+    for i in stages:
+      yield from _splits(state, reach, chain, i)
   for i, j in pairs:
     merged = masks[i] | masks[j]
     if chain or (
@@ -250,8 +253,8 @@ def _moves(state: _State, reach: _Reach, chain: bool, divisors, devices, busy):
           yield _with_count(trial, t, more[0])
 
 
-def _node_moves(state, reach, chain, src, dst, spare):
-  """Nodes of stage src moving to stage dst (or to a new stage)."""
+def _node_moves(state, reach, chain, src, dst):
+  """Nodes of stage src moving to stage dst."""
   masks = state.masks
   for v in _bits(masks[src]):
     if chain:
@@ -264,8 +267,6 @@ def _node_moves(state, reach, chain, src, dst, spare):
         continue
     rest = masks[src] & ~(1 << v)
     yield from _moved(state, reach, chain, src, dst, v, rest)
-    if spare >= 1 and rest:
-      yield from _split(state, reach, chain, src, dst, v, rest)
 
 
 def _moved(state, reach, chain, src, dst, v, rest):
@@ -283,15 +284,32 @@ def _moved(state, reach, chain, src, dst, v, rest):
     yield _State(masks, counts)
 
 
-def _split(state, reach, chain, src, dst, v, rest):
-  masks, counts = list(state.masks), list(state.counts)
-  masks[src] = rest
-  at = max(src, dst) if chain else len(masks)
-  masks.insert(at, 1 << v)
-  counts.insert(at, 1)
-  if not chain and not (reach.convex(rest) and reach.acyclic(masks)):
-    return
-  yield _State(masks, counts)
+def _splits(state, reach, chain, src):
+  """A node of stage src leaving for a new stage on one spare device."""
+  masks = state.masks
+  if not masks[src] & (masks[src] - 1):
+    return  # a single node
+  for v in _bits(masks[src]):
+    rest = masks[src] & ~(1 << v)
+    if chain:
+      # Before its stage when none of its predecessors is in it, after
+      # when none of its successors is.
+      places = []
+      if not reach.pred[v] & masks[src]:
+        places.append(src)
+      if not reach.succ[v] & masks[src]:
+        places.append(src + 1)
+    elif reach.convex(rest):
+      places = [len(masks)]
+    else:
+      places = []
+    for at in places:
+      new_masks, counts = list(masks), list(state.counts)
+      new_masks[src] = rest
+      new_masks.insert(at, 1 << v)
+      counts.insert(at, 1)
+      if chain or reach.acyclic(new_masks):
+        yield _State(new_masks, counts)
 
 
 def _with_count(state: _State, stage: int, k: int) -> _State:

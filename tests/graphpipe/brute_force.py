@@ -149,6 +149,33 @@ def sp_partitions(graph: OpGraph, devices: int, b: int) -> Iterator[Stages]:
       yield list(zip(blocks, counts, strict=True))
 
 
+def down_set_sequences(
+  graph: OpGraph, devices: int, b: int
+) -> Iterator[Stages]:
+  """Every sequence of stages S_j = I_j - I_{j-1} over down-sets I_j
+  (Piper's plans), at most `devices` stages, with replicas."""
+  n = len(graph.nodes)
+  preds = [set(graph.predecessors(v)) for v in range(n)]
+
+  def sequences(done: frozenset, left: int):
+    if len(done) == n:
+      yield []
+      return
+    if left == 0:
+      return
+    rest = [v for v in range(n) if v not in done]
+    for size in range(1, len(rest) + 1):
+      for stage in itertools.combinations(rest, size):
+        grown = done | set(stage)
+        if all(preds[v] <= grown for v in stage):
+          for tail in sequences(grown, left - 1):
+            yield [stage, *tail]
+
+  for blocks in sequences(frozenset(), devices):
+    for counts in replica_counts(len(blocks), devices, b):
+      yield list(zip(blocks, counts, strict=True))
+
+
 def plan_of(
   graph: OpGraph,
   stages: Stages,
@@ -203,15 +230,19 @@ def best_plan(
   memory_bytes: float,
   kind: str,
 ) -> Best:
-  """The fastest plan of `kind` ('chain': id order; 'sp': SP stage graphs)."""
+  """The fastest plan of `kind` ('chain': id order; 'sp': SP stage graphs;
+  'down-sets': sequences of down-set differences)."""
   best = Best()
   for b in micro_batch_sizes(batch_size):
     if kind == "chain":
       found = chain_partitions(range(len(graph.nodes)), num_devices, b)
+    elif kind == "down-sets":
+      found = down_set_sequences(graph, num_devices, b)
     else:
       found = sp_partitions(graph, num_devices, b)
     for stages in found:
-      p = plan_of(graph, stages, batch_size, b, num_devices, kind == "chain")
+      chain = kind != "sp"
+      p = plan_of(graph, stages, batch_size, b, num_devices, chain)
       if not fits(p, graph, memory_bytes):
         continue
       best.tried += 1

@@ -1,5 +1,8 @@
 """The planners against brute force and PipeDream's own partitioner.
 
+Piper's DP is checked against brute force on its own objective (the
+smallest bottleneck over sequences of down-set differences).
+
 On small random graphs every plan a planner could have chosen is built and
 simulated (`tests.graphpipe.brute_force`); the planner's plan must be
 within 2% of the fastest. The full PipeDream check on the paper models
@@ -16,11 +19,14 @@ import pytest
 from experiments import pipedream
 from graphpipe import costs
 from graphpipe.errors import PlanError
+from graphpipe.planning.piper import PiperPartitioner
 from graphpipe.planning.search import plan
+from graphpipe.planning.stage_costs import StageCosts
 from graphpipe.planning.validate import check_plan
 from graphpipe.simulator.engine import simulate
 from tests.graphpipe import brute_force
 from tests.graphpipe.test_planner import candle_like
+from tests.graphpipe.test_planner import transformer as transformer_like
 
 V100 = costs.AnalyticCostModel(costs.device_spec("v100"))
 TOLERANCE = 1.02
@@ -129,3 +135,45 @@ def test_pipedream_reference_minimises_its_own_recurrence(seed):
       scored.append((position, position + len(nodes) - 1, k))
       position += len(nodes)
     assert terms.bottleneck(scored) == pytest.approx(best)
+
+
+@pytest.mark.parametrize("seed", [0, 3, 6, 9, 12, 15])
+def test_piper_finds_the_smallest_bottleneck_over_down_set_sequences(seed):
+  graph, devices, batch, memory = config(seed)
+  if len(graph.nodes) > 6:
+    graph = brute_force.random_graph(seed, 6)
+  b = brute_force.micro_batch_sizes(batch)[-1]
+  table = StageCosts(graph, V100, batch, devices, memory)
+  best = float("inf")
+  for stages in brute_force.down_set_sequences(graph, devices, b):
+    p = len(stages)
+    if all(
+      table.in_flight_capacity(nodes, b, k) >= p - i
+      for i, (nodes, k) in enumerate(stages)
+    ):
+      best = min(
+        best, max(table.time_per_sample(nodes, b, k) for nodes, k in stages)
+      )
+  found = PiperPartitioner(graph, table, budget=10**6)(b)
+  if best == float("inf"):
+    assert not found
+    return
+  ours = max(table.time_per_sample(nodes, b, k) for nodes, k in found[0].stages)
+  assert ours <= best * (1 + 3e-3)  # the target grid's step
+
+
+def test_piper_gives_up_when_its_budget_runs_out():
+  graph = candle_like(4)
+  with pytest.raises(PlanError, match="search budget"):
+    plan(graph, 8, 64, planner="piper", piper_budget=2_000)
+
+
+def test_piper_on_a_chain_matches_sequential():
+  graph = transformer_like(6)
+  for devices in (2, 4):
+    piper = plan(graph, devices, 32, planner="piper")
+    check_plan(piper, graph, V100.memory_bytes)
+    seq = plan(graph, devices, 32, planner="sequential")
+    assert simulate(piper, graph, V100).iteration_time_s == pytest.approx(
+      simulate(seq, graph, V100).iteration_time_s, rel=0.02
+    )
