@@ -44,8 +44,8 @@ from graphpipe.planning.candidates import Partition, distinct, frontier
 from graphpipe.planning.stage_costs import StageCosts
 
 # Stages priced (down-set, up-set pairs) before Piper gives up: about a
-# minute of search on the 2-core development machine.
-PIPER_BUDGET = 3_000_000
+# dozen seconds of search on the 2-core development machine.
+PIPER_BUDGET = 1_000_000
 # Targets on the geometric grid between the bounds.
 _GRID = 4096
 

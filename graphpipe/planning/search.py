@@ -242,17 +242,25 @@ def _search(
   # the last optimizer step matter too: local search from the best plan of
   # each of the best few micro-batch sizes (near-copies of one plan would
   # all lead to the same place).
-  starts: dict[int, Partition] = {}
+  by_size: dict[int, Partition] = {}
   for _, part in ranked:
-    if len(starts) == _REFINED:
+    by_size.setdefault(part.micro_batch_size, part)
+  starts = list(by_size.values())[:_REFINED]
+  # Fewer sizes than starts (e.g. one size asked for): the next best plans
+  # (of other estimates) start too.
+  seen = {round(candidates[p][0], 12) for p in starts}
+  for key, part in ranked:
+    if len(starts) >= _REFINED:
       break
-    starts.setdefault(part.micro_batch_size, part)
+    if round(key[0], 12) not in seen:
+      seen.add(round(key[0], 12))
+      starts.append(part)
 
   def estimated(part: Partition) -> float | None:
     found = evaluate(part)
     return None if found is None else found[0]
 
-  for part in starts.values():
+  for part in starts:
     if part.schedule != "1f1b":
       continue
     refined = refine(
