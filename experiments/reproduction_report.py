@@ -296,9 +296,10 @@ def search_section(results) -> list[str]:
     sentences.append(
       "where Piper finds a plan at these devices its search takes "
       + ", ".join(found)
-      + " GraphPipe's (on a chain its down-sets are the prefixes, so its "
-      "DP costs little more than the others' and the shared work, spare "
-      "devices, local search and simulation, dominates both)"
+      + " GraphPipe's: with one or two branches its down-sets are few (a "
+      "chain's are its prefixes), so its DP costs about what the others' "
+      "do, and the work all planners share (spare devices, local search, "
+      "simulation) dominates"
     )
   lines.append(
     f"Ours: GraphPipe's search takes at most {slowest:.1f} s; "

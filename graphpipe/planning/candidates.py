@@ -43,13 +43,7 @@ class Partition:
 DEPTH_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-def frontier(
-  targets: list[float],
-  max_depth: int,
-  feasible,
-  solve,
-  from_below: bool = False,
-) -> list:
+def frontier(targets: list[float], max_depth: int, feasible, solve) -> list:
   """Solutions on the frontier of bottleneck time against pipeline depth.
 
   Binary search on the sorted candidate targets (bottleneck times per
@@ -74,10 +68,6 @@ def frontier(
       `shallowest`, else those the DP finds under the bound itself (a
       partitioner may return several, e.g. stages filled from the front
       and from the back).
-    from_below: search the targets upward from the smallest (galloping,
-      then bisecting) instead of bisecting the whole list: for solvers
-      whose cost explodes with the target (Piper's), at the price of a
-      few more calls.
   """
   if not targets:
     return []
@@ -85,18 +75,7 @@ def frontier(
   def fastest(low: int, depth: int) -> int | None:
     """The smallest feasible index from `low` on, or None."""
     high = len(targets) - 1
-    if from_below:
-      step = 1
-      while not feasible(targets[low], depth):
-        if low == len(targets) - 1:
-          return None
-        low, high = low + 1, min(low + step, len(targets) - 1)
-        if feasible(targets[high], depth):
-          break
-        low, step = high, 2 * step
-      else:
-        return low
-    elif not feasible(targets[high], depth):
+    if not feasible(targets[high], depth):
       return None
     while low < high:
       middle = (low + high) // 2

@@ -8,30 +8,29 @@ sequence of stages S_1, ..., S_p with S_j = I_j - I_{j-1} for down-sets
 two down-sets, so it is convex whatever the branch structure, and the
 stages run as a sequential 1F1B pipeline (stage j of p holds p - j + 1
 micro-batches in flight). Without tensor parallelism (the project's
-scope) a stage is data parallel over k devices. In the decision form the
-other planners use, for a target time per sample t:
+scope) a stage is data parallel over k devices. Piper's DP, in its
+optimisation form, for one micro-batch size b:
 
-  g(I, a) = fewest devices that cover down-set I with stages of time per
-            sample <= t when `a` stages follow I
-          = min over non-empty up-sets S of I (I - S is a down-set) of
-              need(S, a) + g(I - S, a + 1),       g({}, a) = 0
+  f(I, a, k) = the smallest bottleneck time per sample that covers
+               down-set I on at most k devices when `a` stages follow I
+             = min over non-empty up-sets S of I (I - S is a down-set) and
+               replica counts k' (dividing b, memory for a + 1 in flight)
+               of max(time_per_sample(S, b, k'), f(I - S, a + 1, k - k')),
+               f({}, a, k) = 0
 
-where need(S, a) is the fewest replicas k (dividing the micro-batch) with
-time_per_sample(S, b, k) <= t whose memory holds a + 1 micro-batches
-(`graphpipe.planning.stage_costs.StageCosts`, the planners' cost model and
-memory rule). Binary search on t and the depth frontier are those of the
-other planners (`graphpipe.planning.candidates.frontier`).
-
-The bottleneck can be any stage's time, and the stages are too many to
-list, so the binary search runs over a geometric grid of targets between a
-lower bound (the slowest single node on its best device count) and an
-upper one (0.2% steps).
+with the planners' stage costs and memory rule
+(`graphpipe.planning.stage_costs.StageCosts`); the table is a numpy array
+over (a, k) per down-set, and the plan is read back from f(V, 0, N).
+Piper's answer per micro-batch size is its partition; `graphpipe.plan`
+then treats it like every planner's (spare devices, local search,
+simulation).
 
 The number of down-sets grows exponentially with the number of parallel
-branches (a graph of B branches of L layers has about (L + 1)^B), which is
-why the GraphPipe paper's Piper finds no plan for DLRM and CANDLE-Uno. Here
-the search counts the stages it prices (pairs (I, S)) and gives up after
-`budget` of them, raising a `PlanError` that says so.
+branches (a graph of B branches of L layers has about (L + 1)^B of them,
+and about ((L + 1)(L + 2) / 2)^B nested pairs), which is why the GraphPipe
+paper's Piper finds no plan for DLRM and CANDLE-Uno. Here the DP counts the
+(down-set, up-set) pairs it prices and gives up after `budget` of them,
+raising a `PlanError` that says so.
 """
 
 from __future__ import annotations
@@ -40,16 +39,12 @@ import numpy as np
 
 from graphpipe.core.graph import OpGraph
 from graphpipe.errors import PlanError
-from graphpipe.planning.candidates import Partition, distinct, frontier
+from graphpipe.planning.candidates import Partition
 from graphpipe.planning.stage_costs import StageCosts
 
-# Stages priced (down-set, up-set pairs) before Piper gives up: about a
-# dozen seconds of search on the 2-core development machine.
-PIPER_BUDGET = 1_000_000
-# Targets on the geometric grid between the bounds.
-_GRID = 4096
-
-_INF = 1 << 40
+# (Down-set, up-set) pairs priced, over all micro-batch sizes, before Piper
+# gives up: about ten seconds of search on the 2-core development machine.
+PIPER_BUDGET = 300_000
 
 
 class PiperPartitioner:
@@ -62,7 +57,7 @@ class PiperPartitioner:
   Args:
     graph: the operator graph.
     costs: stage costs for the batch, devices and memory budget.
-    budget: stages priced, over all calls, before the search gives up.
+    budget: pairs priced, over all calls, before the search gives up.
   """
 
   def __init__(self, graph: OpGraph, costs: StageCosts, budget: int):
@@ -77,34 +72,27 @@ class PiperPartitioner:
       self.succ[e.src] |= 1 << e.dst
 
   def __call__(self, micro_batch: int) -> list[Partition]:
-    """Frontier partitions for one micro-batch size (maybe [])."""
+    """Piper's partition for one micro-batch size (or [] if none fits)."""
     solver = _DownSetSolver(self, micro_batch)
-    most = min(len(self.graph.nodes), self.costs.num_devices)
-    found = frontier(
-      solver.targets(),
-      most,
-      solver.feasible,
-      solver.solve,
-      from_below=True,
-    )
-    return distinct(
-      [Partition(tuple(stages), micro_batch, chain=True) for stages in found]
-    )
+    stages = solver.solve()
+    if stages is None:
+      return []
+    return [Partition(tuple(stages), micro_batch, chain=True)]
 
 
 class _DownSetSolver:
-  """g(I, a) of the module docstring for one micro-batch size."""
+  """f(I, a, k) of the module docstring for one micro-batch size."""
 
   def __init__(self, owner: PiperPartitioner, micro_batch: int):
     self.owner = owner
     self.costs = owner.costs
     self.b = micro_batch
+    self.devices = self.costs.num_devices
     self.counts = [
-      k for k in range(1, self.costs.num_devices + 1) if micro_batch % k == 0
+      k for k in range(1, self.devices + 1) if micro_batch % k == 0
     ]
+    self.depth = min(len(owner.graph.nodes), self.devices)
     self._options: dict[int, list[tuple[int, float, int]]] = {}
-    self.target = None
-    self.bound = 0
     self.memo: dict[int, np.ndarray] = {}
 
   def options(self, stage: int) -> list[tuple[int, float, int]]:
@@ -119,76 +107,50 @@ class _DownSetSolver:
       self._options[stage] = row
     return self._options[stage]
 
-  def targets(self) -> list[float]:
-    """The geometric grid of targets (module docstring); [] if some node
-    fits no device count."""
-    nodes = range(len(self.owner.graph.nodes))
-    single = [[t for _, t, _ in self.options(1 << v)] for v in nodes]
-    if not all(single):
-      return []
-    low = max(min(times) for times in single)
-    whole = [t for _, t, _ in self.options(self.owner.all_nodes)]
-    high = max(min(whole, default=0.0), sum(max(t) for t in single)) * 1.01
-    ratio = (high / low) ** (1 / _GRID)
-    return [low * ratio**i for i in range(_GRID + 1)]
-
-  def feasible(self, target: float, bound: int) -> bool:
-    return self._devices(target, bound)[0] <= self.costs.num_devices
-
-  def _devices(self, target: float, bound: int) -> np.ndarray:
-    if (target, bound) != (self.target, self.bound):
-      self.target, self.bound, self.memo = target, bound, {}
-    return self.g(self.owner.all_nodes)
-
-  def need(self, stage: int) -> np.ndarray | None:
-    """need(S, a) for a < bound; None when no device count is within t."""
-    options = [
-      (k, cap) for k, t, cap in self.options(stage) if t <= self.target
-    ]
-    if not options:
+  def solve(self) -> list[tuple[tuple[int, ...], int]] | None:
+    """The stages of f(V, 0, N) in pipeline order, or None."""
+    ideal, after, k = self.owner.all_nodes, 0, self.devices
+    if not np.isfinite(self.f(ideal)[after, k]):
       return None
-    out = np.full(self.bound, _INF, dtype=np.int64)
-    for k, cap in reversed(options):  # fewest devices last, so they win
-      out[: min(cap, self.bound)] = k
-    return out
+    stages = []
+    while ideal:
+      want = self.f(ideal)[after, k]
+      for stage, rest, option, cand in self._choices(ideal):
+        if cand[after, k] == want:
+          stages.append((tuple(_bits(stage)), option[0]))
+          ideal, after, k = rest, after + 1, k - option[0]
+          break
+    return stages[::-1]
 
-  def g(self, ideal: int) -> np.ndarray:
-    """Fewest devices per `a` (stages after) for down-set `ideal`."""
-    if ideal == 0:
-      return np.zeros(self.bound, dtype=np.int64)
+  def f(self, ideal: int) -> np.ndarray:
+    """The (stages after, devices) table of down-set `ideal`."""
     found = self.memo.get(ideal)
-    if found is not None:
-      return found
-    best = np.full(self.bound, _INF, dtype=np.int64)
-    for stage, need in self._upsets(ideal):
-      if stage == ideal:  # the first stage: nothing before it
-        np.minimum(best, need, out=best)
-        continue
-      rest = self.g(ideal & ~stage)
-      shifted = np.empty(self.bound, dtype=np.int64)
-      shifted[:-1] = rest[1:]
-      shifted[-1] = _INF
-      np.minimum(best, np.minimum(need + shifted, _INF), out=best)
-    self.memo[ideal] = best
-    return best
+    if found is None:
+      if ideal == 0:
+        found = np.zeros((self.depth, self.devices + 1))
+      else:
+        found = np.full((self.depth, self.devices + 1), np.inf)
+        for *_, cand in self._choices(ideal):
+          np.minimum(found, cand, out=found)
+      self.memo[ideal] = found
+    return found
 
-  def _upsets(self, ideal: int):
-    """Non-empty up-sets S of `ideal` that some device count runs within
-    the target, with need(S, .). Grown one maximal node at a time; a set
-    too slow or too large on every device count stops growing (compute,
-    weights and stashes only grow with it)."""
+  def _choices(self, ideal: int):
+    """(S, I - S, option, candidate table) for every priced choice."""
     owner = self.owner
-    succ = owner.succ
-    seen = set()
-    stack = []
-    for v in _bits(ideal):
-      if not succ[v] & ideal:
-        stack.append(1 << v)
-    while stack:
-      stage = stack.pop()
-      if stage in seen:
-        continue
-      seen.add(stage)
+    for stage in self._upsets(ideal):
+      rest = ideal & ~stage
+      before = self.f(rest)
+      for option in self.options(stage):
+        k, tps, cap = option
+        shifted = np.full((self.depth, self.devices + 1), np.inf)
+        if rest:
+          shifted[:-1, k:] = before[1:, : self.devices + 1 - k]
+        else:
+          shifted[:, k:] = 0.0
+        cand = np.maximum(shifted, tps)
+        cand[cap:, :] = np.inf  # memory holds `cap` in flight
+        yield stage, rest, option, cand
       owner.priced += 1
       if owner.priced > owner.budget:
         raise PlanError(
@@ -198,57 +160,27 @@ class _DownSetSolver:
           "exponentially with its parallel branches; raise piper_budget "
           "or use planner='graphpipe'"
         )
-      if not self._may_fit(stage):
+
+  def _upsets(self, ideal: int):
+    """Non-empty up-sets S of `ideal` that fit memory on some device
+    count, grown one maximal node at a time (a set that fits nowhere stops
+    growing: weights and stashes only grow with it)."""
+    succ = self.owner.succ
+    seen = set()
+    stack = [1 << v for v in _bits(ideal) if not succ[v] & ideal]
+    while stack:
+      stage = stack.pop()
+      if stage in seen:
         continue
-      need = self.need(stage)
-      if need is not None:
-        yield stage, need
+      seen.add(stage)
+      if not self.options(stage):
+        continue
+      yield stage
       rest = ideal & ~stage
       for v in _bits(rest):
         # v may join when all its successors inside the ideal are in S.
         if not succ[v] & rest:
           stack.append(stage | 1 << v)
-
-  def _may_fit(self, stage: int) -> bool:
-    """Whether any device count could run `stage` within the target (a
-    bound that only grows with the set: compute, sync and memory)."""
-    nodes = tuple(_bits(stage))
-    costs = self.costs
-    m = costs.batch_size // self.b
-    for k in self.counts:
-      if costs.in_flight_capacity(nodes, self.b, k) < 1:
-        continue
-      fwd, bwd = costs.compute_time(nodes, self.b, k)
-      lower = (m * (fwd + bwd) + costs.sync_time(nodes, k)) / costs.batch_size
-      if lower <= self.target * (1 + 1e-9):
-        return True
-    return False
-
-  def solve(self, target: float, bound: int, shallowest: bool):
-    """(stages used, [stages in order]) within target and bound."""
-    low = bound
-    if shallowest:
-      low = 1
-      while low < bound:
-        middle = (low + bound) // 2
-        if self.feasible(target, middle):
-          bound = middle
-        else:
-          low = middle + 1
-    self._devices(target, low)
-    stages, ideal, after = [], self.owner.all_nodes, 0
-    while ideal:
-      want = self.g(ideal)[after]
-      for stage, need in self._upsets(ideal):
-        tail = 0
-        if stage != ideal:
-          rest = self.g(ideal & ~stage)
-          tail = rest[after + 1] if after + 1 < low else _INF
-        if need[after] + tail == want:
-          stages.append((tuple(_bits(stage)), int(need[after])))
-          ideal, after = ideal & ~stage, after + 1
-          break
-    return len(stages), [stages[::-1]]
 
 
 def _bits(mask: int):

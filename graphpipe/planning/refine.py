@@ -1,6 +1,6 @@
 """Local search around the DPs' plans: the neighbours a DP cannot see.
 
-  refined = refine(graph, partition, costs, evaluate)
+  refined = refine(graph, partition, num_devices, estimate, busy)
 
 The DPs minimise the bottleneck stage's time per sample. With few
 micro-batches per iteration the iteration also pays for the pipeline's fill
@@ -125,14 +125,16 @@ def refine(
   busy: Callable[[tuple[int, ...], int], float],
   budget: int = DEFAULT_BUDGET,
 ) -> Partition:
-  """The best partition hill climbing from `part` finds (module docstring).
+  """The best partition the beam search from `part` finds (module
+  docstring); `part` itself when nothing better turns up.
 
   Example:
-    >>> refine(graph, partition, 8, estimate, costs.microbatch_time_of)
+    >>> busy = lambda nodes, k: costs.microbatch_time(nodes, 4, k)
+    >>> refine(graph, partition, 8, estimate, busy)
 
   Args:
     graph: the operator graph.
-    part: the starting partition.
+    part: the starting partition (one micro-batch size for all stages).
     num_devices: devices available.
     evaluate: the estimated iteration time of a partition, or None when it
       is not valid (e.g. memory); memoised here.
@@ -140,6 +142,8 @@ def refine(
       count (devices move to the busiest stages).
     budget: evaluations at most.
   """
+  if part.sizes:
+    return part  # moves would have to carry sizes along: not searched
   reach = _Reach(graph)
   b = part.micro_batch_size
 

@@ -224,7 +224,12 @@ def _search(
       candidates[part] = None
       if fits:
         estimate = estimate_iteration_time(p, graph, timing)
-        candidates[part] = (estimate, p.stages[0].in_flight, -b_of(p), p)
+        candidates[part] = (
+          estimate,
+          p.stages[0].in_flight,
+          -p.micro_batch_size,
+          p,
+        )
     return candidates[part]
 
   for b in sizes:
@@ -300,10 +305,6 @@ def _search(
     if best is None or (seconds, *c[1:3]) < best[:3]:
       best = (seconds, *c[1:])
   return best[3]
-
-
-def b_of(p: Plan) -> int:
-  return p.micro_batch_size
 
 
 class _NodeTimes:

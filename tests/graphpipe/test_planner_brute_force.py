@@ -26,7 +26,6 @@ from graphpipe.planning.validate import check_plan
 from graphpipe.simulator.engine import simulate
 from tests.graphpipe import brute_force
 from tests.graphpipe.test_planner import candle_like
-from tests.graphpipe.test_planner import transformer as transformer_like
 
 V100 = costs.AnalyticCostModel(costs.device_spec("v100"))
 TOLERANCE = 1.02
@@ -159,21 +158,10 @@ def test_piper_finds_the_smallest_bottleneck_over_down_set_sequences(seed):
     assert not found
     return
   ours = max(table.time_per_sample(nodes, b, k) for nodes, k in found[0].stages)
-  assert ours <= best * (1 + 3e-3)  # the target grid's step
+  assert ours == pytest.approx(best, rel=1e-9)
 
 
 def test_piper_gives_up_when_its_budget_runs_out():
   graph = candle_like(4)
   with pytest.raises(PlanError, match="search budget"):
     plan(graph, 8, 64, planner="piper", piper_budget=2_000)
-
-
-def test_piper_on_a_chain_matches_sequential():
-  graph = transformer_like(6)
-  for devices in (2, 4):
-    piper = plan(graph, devices, 32, planner="piper")
-    check_plan(piper, graph, V100.memory_bytes)
-    seq = plan(graph, devices, 32, planner="sequential")
-    assert simulate(piper, graph, V100).iteration_time_s == pytest.approx(
-      simulate(seq, graph, V100).iteration_time_s, rel=0.02
-    )
