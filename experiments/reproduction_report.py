@@ -10,10 +10,6 @@ from __future__ import annotations
 from experiments.paper import PAPER
 
 
-def _fmt(x, digits=3) -> str:
-  return "n/a" if x is None else f"{x:.{digits}g}"
-
-
 def _ratio(x) -> str:
   return "n/a" if x is None else f"{x:.2f}x"
 
@@ -487,19 +483,16 @@ def markdown(results) -> str:
 
 def summary(results) -> str:
   """A few lines for the terminal."""
-  sweep = [
-    e["graphpipe_over_best_baseline"]
-    for e in sorted(
-      results["branch_sweep"]["speedup"], key=lambda e: e["branches"]
-    )
-  ]
+  sweep = sorted(
+    results["branch_sweep"]["speedup"], key=lambda e: e["branches"]
+  )
   ablation = [r["concurrency_only"] for r in results["ablation"]["rows"]]
   checks = results["pipedream_check"]["rows"]
-  return "\n".join(
-    [
-      "branch sweep speed-ups: " + ", ".join(_ratio(r) for r in sweep),
-      "concurrency-only ablation: " + ", ".join(_ratio(r) for r in ablation),
-      f"PipeDream check: {sum(r['passes'] for r in checks)}/{len(checks)} "
-      "within 2%",
-    ]
+  return (
+    "branch sweep speed-ups: "
+    + ", ".join(_ratio(e["graphpipe_over_best_baseline"]) for e in sweep)
+    + "\nconcurrency-only ablation: "
+    + ", ".join(_ratio(r) for r in ablation)
+    + f"\nPipeDream check: {sum(r['passes'] for r in checks)}/{len(checks)}"
+    " within 2%"
   )
