@@ -1,23 +1,34 @@
 """The pipelined training step: one SPMD program over a 1-D device mesh.
 
     for tick in schedule:                        # lax.scan over ticks
-      action = table[tick, my_device]            # e.g. 2F0, 2B0 or idle
-      lax.switch(branch of (my_device, F/B)):    # each device its own code
-        F: inputs  <- activation stash (rows received earlier), batch rows
-           outputs, loss <- the stage's node jaxprs; keep what B needs
-           send rows of each output edge matrix to the successors' devices
-        B: cotangents <- gradient stash (sent by successors' B)
-           grads of params (accumulated) and of inputs <- VJP of the stage
-           send rows of the input gradients back to the predecessors
+      write what arrived last tick into the activation / gradient stashes
+      F = forward[tick, my_device]               # e.g. 2F0, or skip
+      lax.switch(F):                             # each device its own code
+        inputs <- activation stash, batch rows
+        outputs, loss <- the stage's node jaxprs; residuals -> residual stash
+        sends <- rows of each output edge matrix, for the successors
+      B = backward[tick, my_device]              # e.g. 2B0, or skip
+      lax.switch(B):
+        cotangents <- gradient stash (sent by successors' B)
+        grads of params (accumulated) and of inputs <- VJP of the stage
+        sends <- rows of the input gradients, for the predecessors
       for channel in channels:                   # fixed permutations
-        received = lax.ppermute(send[channel])   # fan-out / fan-in
-        write it into the activation or gradient stash (table says where)
+        inbox[channel] = lax.ppermute(sends[channel])   # fan-out / fan-in
     gradients: sum over each data-parallel stage's devices (fixed order)
-    loss: psum; optimizer: optax on each device's flat parameter buffer
+    loss: psum; optimizer: optax on each device's parameter slots
 
 Every per-device difference lives in static tables indexed by tick and
 device, so the scan body is one program. What a device computes at tick t
 is readable by its receivers from tick t + 1.
+
+The loop's shape is dictated by how XLA keeps the big buffers (stashes,
+gradient accumulators) in place: it copies a buffer that is read and then
+updated in one iteration, and one that a conditional's branches update in
+different combinations (one branch the residuals, another the gradients).
+So the stashes are written at the start of a tick, before anything reads
+them, and forward and backward are two conditionals, each of which updates
+one thing. Parameters live in slots (`graphpipe.runtime.slots`) because a
+slice of a flat buffer is a copy on XLA:CPU.
 """
 
 from __future__ import annotations
@@ -32,8 +43,9 @@ import numpy as np
 from jax import lax
 
 from graphpipe.program import Program
-from graphpipe.runtime import packing
+from graphpipe.runtime import packing, slots
 from graphpipe.runtime.layout import Layout, PipelineRuntimeError
+from graphpipe.runtime.slots import SlotLayout
 from graphpipe.runtime.tables import build_tables, make_channels
 from graphpipe.schedule import Schedule
 
@@ -41,15 +53,15 @@ AXIS = "pipe"
 
 
 class Operands(NamedTuple):
-  """What every branch of the tick's `lax.switch` receives."""
+  """What every branch of the tick's two `lax.switch`es receives."""
 
-  params: jax.Array  # this device's flat parameters
-  state: jax.Array  # its flat non-trainable variables
+  params: tuple  # this device's parameter slots
+  state: tuple  # its non-trainable variable slots
   batch: dict  # the whole batch, replicated
   act: jax.Array  # activation stash (all slots, flat)
   grad: jax.Array  # gradient stash
   res: jax.Array  # residual stash
-  gacc: jax.Array  # accumulated parameter gradients
+  gacc: tuple  # accumulated parameter gradients, slots like `params`
   loss: jax.Array  # accumulated loss
   microbatch: jax.Array  # the action's micro-batch
   act_slot: jax.Array  # its slots in the three stashes
@@ -59,10 +71,14 @@ class Operands(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Buffers:
-  """Sizes (float32 elements) of the per-device buffers; all devices alike."""
+  """Sizes (float32 elements) of the per-device buffers; all devices alike.
 
-  params: int
-  state: int
+  `params` and `state` are the slot layouts of the trainable and the
+  non-trainable variables (`graphpipe.runtime.slots`).
+  """
+
+  params: SlotLayout
+  state: SlotLayout
   act_slot: int
   act_slots: int
   grad_slot: int
@@ -174,8 +190,8 @@ class StepBuilder:
     self.tables = ticks.arrays
     self.branch_devices = ticks.branch_devices
     self.buffers = Buffers(
-      params=max(1, max(lay.param_size(s.id) for s in lay.stages)),
-      state=max(1, max(lay.param_size(s.id, "state") for s in lay.stages)),
+      params=slots.plan_slots(self._variables("params")),
+      state=slots.plan_slots(self._variables("state")),
       act_slot=max(1, max(lay.in_size(s.id) for s in lay.stages)),
       act_slots=max(1, ticks.act_slots),
       grad_slot=max(1, max(lay.out_size(s.id) for s in lay.stages)),
@@ -192,6 +208,14 @@ class StepBuilder:
       channel=self._channels.size,
       channels=max(1, len(self.channels)),
     )
+
+  def _variables(self, kind):
+    """Per stage, (key, elements) of its `kind` ('params' or 'state')."""
+    shapes = self.layout.param_shapes
+    return [
+      [(k, math.prod(shapes[k][0])) for k in getattr(s, kind)]
+      for s in self.layout.stages
+    ]
 
   # Residuals (when not recomputing).
 
@@ -253,14 +277,13 @@ class StepBuilder:
       return 1.0
     return s.chunk / self.batch_size
 
-  def _unflatten(self, flat, keys):
-    out, at = {}, 0
-    for k in keys:
-      shape, dtype = self.layout.param_shapes[k]
-      n = math.prod(shape)
-      out[k] = flat[at : at + n].reshape(shape).astype(dtype)
-      at += n
-    return out
+  def _read_variables(self, ops, stage):
+    """(trainable, frozen) values of `stage` from the device's slots."""
+    s, shapes = self.layout.stages[stage], self.layout.param_shapes
+    return (
+      slots.read(ops.params, self.buffers.params, stage, s.params, shapes),
+      slots.read(ops.state, self.buffers.state, stage, s.state, shapes),
+    )
 
   def _batch_rows(self, stage, device, batch, mb):
     s = self.layout.stages[stage]
@@ -299,26 +322,22 @@ class StepBuilder:
   def _forward_branch(self, device):
     stage = self.device_stage[device]
     lay, buf = self.layout, self.buffers
-    s = lay.stages[stage]
     in_size, out_offsets = lay.in_size(stage), lay.out_offsets(stage)
     weight = self._loss_weight(stage)
     f = self.stage_function(stage)
 
     def branch(ops):
-      values = {
-        **self._unflatten(ops.params, s.params),
-        **self._unflatten(ops.state, s.state),
-      }
+      trainable, frozen = self._read_variables(ops, stage)
       acts = lax.dynamic_slice_in_dim(
         ops.act, ops.act_slot * buf.act_slot, in_size
       )
       rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
       res = ops.res
       if self.recompute:
-        out, stage_loss = f(values, acts, rows)
+        out, stage_loss = f({**trainable, **frozen}, acts, rows)
       else:
         (out, stage_loss), leaves, _, keep, _ = self._vjp_parts(
-          stage, values, acts, rows
+          stage, {**trainable, **frozen}, acts, rows
         )
         kept = packing.pad_to(
           packing.pack_leaves([leaves[i] for i in keep]), buf.res_slot
@@ -327,7 +346,7 @@ class StepBuilder:
           res, kept, ops.res_slot * buf.res_slot, 0
         )
       sends = self._sends(device, out, out_offsets, forward=True)
-      return res, ops.gacc, ops.loss + weight * stage_loss, sends
+      return res, ops.loss + weight * stage_loss, sends
 
     return branch
 
@@ -341,8 +360,7 @@ class StepBuilder:
     f = self.stage_function(stage)
 
     def branch(ops):
-      trainable = self._unflatten(ops.params, s.params)
-      frozen = self._unflatten(ops.state, s.state)
+      trainable, frozen = self._read_variables(ops, stage)
       rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
       if self.recompute:
         acts = lax.dynamic_slice_in_dim(
@@ -356,15 +374,16 @@ class StepBuilder:
         _, leaves, treedef, keep, _ = self._vjp_parts(
           stage, {**trainable, **frozen}, blank, rows
         )
-        stored = lax.dynamic_slice_in_dim(
-          ops.res, ops.res_slot * buf.res_slot, buf.res_slot
-        )
-        for i, value in zip(
-          keep,
-          packing.unpack_leaves(stored, self._residual_avals[stage]),
-          strict=True,
-        ):
-          leaves[i] = value
+        # Each residual is sliced straight from the stash: slicing the
+        # whole slot first would copy it.
+        at = ops.res_slot * buf.res_slot
+        for i, aval in zip(keep, self._residual_avals[stage], strict=True):
+          size = math.prod(aval.shape)
+          stored = lax.dynamic_slice_in_dim(ops.res, at, size)
+          leaves[i] = packing.from_f32(stored, str(aval.dtype)).reshape(
+            aval.shape
+          )
+          at = at + size
         vjp = jax.tree.unflatten(treedef, leaves)
       cotangent = lax.dynamic_slice_in_dim(
         ops.grad, ops.grad_slot * buf.grad_slot, out_size
@@ -372,23 +391,26 @@ class StepBuilder:
       grad_params, grad_acts = vjp(
         (cotangent, jnp.asarray(weight, jnp.float32))
       )
-      flat = packing.pack_leaves([grad_params[k] for k in s.params])
-      gacc = ops.gacc + packing.pad_to(flat, buf.params)
+      gacc = slots.accumulate(ops.gacc, buf.params, stage, grad_params)
       sends = self._sends(device, grad_acts, in_offsets, forward=False)
-      return ops.res, gacc, ops.loss, sends
+      return gacc, sends
 
     return branch
 
   def branches(self):
-    """[idle, F of device d0, B of d0, F of d1, ...] for `lax.switch`."""
+    """([skip, F of d0, F of d1, ...], [skip, B of d0, ...]) to switch on."""
 
-    def idle(ops):
-      return ops.res, ops.gacc, ops.loss, self._sends(None)
+    def skip_forward(ops):
+      return ops.res, ops.loss, self._sends(None)
 
-    out = [idle]
+    def skip_backward(ops):
+      return ops.gacc, self._sends(None)
+
+    forward, backward = [skip_forward], [skip_backward]
     for d in self.branch_devices:
-      out += [self._forward_branch(d), self._backward_branch(d)]
-    return out
+      forward.append(self._forward_branch(d))
+      backward.append(self._backward_branch(d))
+    return forward, backward
 
   # The body.
 
@@ -396,7 +418,7 @@ class StepBuilder:
     """Inside shard_map: this device's reduced gradients and the loss."""
     buf = self.buffers
     me = lax.axis_index(AXIS)
-    branches = self.branches()
+    forward, backward = self.branches()
     tables = {k: jnp.asarray(v) for k, v in self.tables.items()}
 
     def write(buffer, data, start, length, enable):
@@ -407,8 +429,29 @@ class StepBuilder:
       )
 
     def tick(carry, row):
-      act, grad, res, gacc, loss = carry
+      act, grad, res, gacc, loss, inbox = carry
       mine = {k: v[me] for k, v in row.items()}
+      # What arrived at the end of the last tick goes into the stashes
+      # first: written before they are read, they stay in place.
+      for c in range(len(self.channels)):
+        valid = mine["recv_valid"][c] == 1
+        is_grad = mine["recv_grad"][c] == 1
+        length = mine["recv_len"][c]
+        slot, offset = mine["recv_slot"][c], mine["recv_offset"][c]
+        act = write(
+          act,
+          inbox[c],
+          slot * buf.act_slot + offset,
+          length,
+          valid & ~is_grad,
+        )
+        grad = write(
+          grad,
+          inbox[c],
+          slot * buf.grad_slot + offset,
+          length,
+          valid & is_grad,
+        )
       ops = Operands(
         params,
         state,
@@ -423,37 +466,32 @@ class StepBuilder:
         mine["grad_slot"],
         mine["res_slot"],
       )
-      res, gacc, loss, sends = lax.switch(mine["branch"], branches, ops)
-      for c, perm in enumerate(self.channels):
-        received = lax.ppermute(sends[c], AXIS, perm)
-        valid = mine["recv_valid"][c] == 1
-        is_grad = mine["recv_grad"][c] == 1
-        length = mine["recv_len"][c]
-        act = write(
-          act,
-          received,
-          mine["recv_slot"][c] * buf.act_slot + mine["recv_offset"][c],
-          length,
-          valid & ~is_grad,
-        )
-        grad = write(
-          grad,
-          received,
-          mine["recv_slot"][c] * buf.grad_slot + mine["recv_offset"][c],
-          length,
-          valid & is_grad,
-        )
-      return (act, grad, res, gacc, loss), None
+      res, loss, forward_sends = lax.switch(mine["forward"], forward, ops)
+      gacc, backward_sends = lax.switch(
+        mine["backward"], backward, ops._replace(res=res)
+      )
+      # A device runs at most one action a tick; `where` keeps the bits of
+      # bit-cast integers that an add could change.
+      sends = jnp.where(mine["forward"] > 0, forward_sends, backward_sends)
+      inbox = jnp.stack(
+        [
+          lax.ppermute(sends[c], AXIS, perm)
+          for c, perm in enumerate(self.channels)
+        ]
+        or [jnp.zeros((buf.channel,), jnp.float32)]
+      )
+      return (act, grad, res, gacc, loss, inbox), None
 
     zeros = lambda n: jnp.zeros((n,), jnp.float32)
     carry = (
       zeros(buf.act_slot * buf.act_slots + buf.channel),
       zeros(buf.grad_slot * buf.grad_slots + buf.channel),
       zeros(buf.res_slot * buf.res_slots),
-      zeros(buf.params),
+      tuple(zeros(n) for n in buf.params.sizes),
       jnp.zeros((), jnp.float32),
+      jnp.zeros((buf.channels, buf.channel), jnp.float32),
     )
-    (_, _, _, gacc, loss), _ = lax.scan(tick, carry, tables)
+    (_, _, _, gacc, loss, _), _ = lax.scan(tick, carry, tables)
     return self._reduce_replicas(gacc), lax.psum(loss, AXIS)
 
   def _reduce_replicas(self, gacc):
@@ -481,9 +519,13 @@ class StepBuilder:
         for i in range(len(g))
       ]
       received.append(lax.ppermute(gacc, AXIS, perm))
-    received = jnp.stack(received)
-    total = jnp.zeros_like(gacc)
-    for j in range(largest):
-      k = jnp.mod(j - pos, n)
-      total = total + jnp.where(j < n, received[k], 0.0)
-    return total
+
+    def in_order(*copies):
+      stacked = jnp.stack(copies)
+      total = jnp.zeros_like(copies[0])
+      for j in range(largest):
+        k = jnp.mod(j - pos, n)
+        total = total + jnp.where(j < n, stacked[k], 0.0)
+      return total
+
+    return jax.tree.map(in_order, *received)

@@ -49,15 +49,20 @@ def make_channels(layout: Layout) -> Channels:
   )
 
 
+RECV_KEYS = ("recv_valid", "recv_grad", "recv_slot", "recv_offset", "recv_len")
+
+
 @dataclasses.dataclass(frozen=True)
 class TickTables:
   """[ticks, devices(, channels)] int32 arrays and the slot counts.
 
   Attributes:
-    arrays: 'branch' (0 idle, 1 + 2 i forward / 2 + 2 i backward of the
-      i-th device of `branch_devices`), 'mb', 'act_slot', 'grad_slot',
-      'res_slot', and per channel 'recv_valid', 'recv_grad', 'recv_slot',
-      'recv_offset', 'recv_len'.
+    arrays: 'forward' and 'backward' (0 none, 1 + i the forward / backward
+      of the i-th device of `branch_devices`), 'mb', 'act_slot',
+      'grad_slot', 'res_slot', and per channel 'recv_valid', 'recv_grad',
+      'recv_slot', 'recv_offset', 'recv_len': where the rows that arrived
+      at the end of the *previous* tick go (the step writes them before it
+      reads any stash).
     branch_devices: devices that run a stage, in branch order.
     act_slots, grad_slots, res_slots: slots needed on any device.
   """
@@ -124,7 +129,8 @@ def build_tables(
   num_channels = len(channels.groups)
   shape = (num_ticks, num_devices)
   arrays = {
-    "branch": np.zeros(shape, np.int32),
+    "forward": np.zeros(shape, np.int32),
+    "backward": np.zeros(shape, np.int32),
     "mb": np.zeros(shape, np.int32),
     "act_slot": np.zeros(shape, np.int32),
     "grad_slot": np.zeros(shape, np.int32),
@@ -137,13 +143,13 @@ def build_tables(
   }
   tb = arrays
   branch_devices = tuple(sorted(lay.stage_of_device()))
-  branch_id = {d: 1 + 2 * i for i, d in enumerate(branch_devices)}
+  branch_id = {d: 1 + i for i, d in enumerate(branch_devices)}
   for t in range(num_ticks):
     for d in range(num_devices):
       stage, kind, mb = table[t, d]
       if stage < 0:
         continue
-      tb["branch"][t, d] = branch_id[d] + kind
+      tb["backward" if kind else "forward"][t, d] = branch_id[d]
       tb["mb"][t, d] = mb
       tb["act_slot"][t, d] = act_slot.get((d, mb), 0)
       tb["grad_slot"][t, d] = grad_slot.get((d, mb), 0)
@@ -181,6 +187,13 @@ def build_tables(
         offset=lay.out_offsets(src_stage)[tr.edge] + tr.src_row * width,
         length=tr.rows * width,
       )
+  # A transfer at tick t is written into its stash at the start of t + 1;
+  # nothing is sent at the last tick (its receiver would have no tick left
+  # to use it).
+  if arrays["recv_valid"][-1].any():
+    raise PipelineRuntimeError("the schedule sends at its last tick")
+  for key in RECV_KEYS:
+    arrays[key] = np.roll(arrays[key], 1, axis=0)
   return TickTables(
     arrays=arrays,
     branch_devices=branch_devices,
