@@ -155,26 +155,26 @@ def read(slots, layout: SlotLayout, stage: int, keys, shapes) -> dict:
   return out
 
 
-def accumulate(acc, layout: SlotLayout, stage: int, grads: dict) -> tuple:
-  """`acc` (slots) plus the gradients `grads` (key -> array) of `stage`.
+def scatter(layout: SlotLayout, stage: int, values: dict) -> tuple:
+  """Full slots holding `values` (key -> array) of `stage`, zeros elsewhere.
 
-  Each slot the stage uses is updated by one whole-slot add (its
-  variables' gradients side by side, zeros in the gaps): XLA:CPU keeps a
-  whole-buffer add in place, where several partial updates of one buffer
-  inside a conditional make it copy the buffer.
+  The runtime adds them to its gradient slots: one whole-slot add per slot
+  is what XLA keeps in place, where several partial updates of one buffer
+  make it copy the buffer. Slots `stage` does not use are zeros (XLA drops
+  adding them where it sees them).
   """
-  out = list(acc)
-  for slot, contents in layout.slot_contents(stage).items():
+  out = []
+  contents = layout.slot_contents(stage)
+  for slot, size in enumerate(layout.sizes):
     pieces, at = [], 0
-    for offset, key in contents:
+    for offset, key in contents.get(slot, []):
       if offset > at:
         pieces.append(jnp.zeros((offset - at,), jnp.float32))
-      pieces.append(grads[key].reshape(-1).astype(jnp.float32))
+      pieces.append(values[key].reshape(-1).astype(jnp.float32))
       at = offset + layout.lengths[key]
-    if at < layout.sizes[slot]:
-      pieces.append(jnp.zeros((layout.sizes[slot] - at,), jnp.float32))
-    update = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-    out[slot] = out[slot] + update
+    if at < size:
+      pieces.append(jnp.zeros((size - at,), jnp.float32))
+    out.append(pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces))
   return tuple(out)
 
 

@@ -1,17 +1,19 @@
 """The pipelined training step: one SPMD program over a 1-D device mesh.
 
-    for tick in schedule:                        # lax.scan over ticks
+    for tick in tables:                          # lax.scan over ticks
       write what arrived last tick into the activation / gradient stashes
-      F = forward[tick, my_device]               # e.g. 2F0, or skip
-      lax.switch(F):                             # each device its own code
-        inputs <- activation stash, batch rows
-        outputs, loss <- the stage's node jaxprs; residuals -> residual stash
-        sends <- rows of each output edge matrix, for the successors
-      B = backward[tick, my_device]              # e.g. 2B0, or skip
-      lax.switch(B):
-        cotangents <- gradient stash (sent by successors' B)
-        grads of params (accumulated) and of inputs <- VJP of the stage
-        sends <- rows of the input gradients, for the predecessors
+      if forward[tick, my_device]:               # e.g. 2F0
+        switch to my device's forward:           # each device its own code
+          inputs <- activation stash, batch rows
+          outputs, loss <- the stage's node jaxprs
+          sends <- rows of each output edge matrix, for the successors
+        residuals (outputs of matrix products) -> residual stash
+      if backward[tick, my_device]:              # e.g. 2B0, or 2F0+2B0 fused
+        switch to my device's backward:
+          cotangents <- gradient stash (sent by successors' B)
+          grads of params and of inputs <- VJP of the stage
+          sends <- rows of the input gradients, for the predecessors
+        gradient slots += grads of params
       for channel in channels:                   # fixed permutations
         inbox[channel] = lax.ppermute(sends[channel])   # fan-out / fan-in
     gradients: sum over each data-parallel stage's devices (fixed order)
@@ -19,16 +21,18 @@
 
 Every per-device difference lives in static tables indexed by tick and
 device, so the scan body is one program. What a device computes at tick t
-is readable by its receivers from tick t + 1.
+is readable by its receivers from tick t + 1. A sink stage's forward and
+the backward at the next tick run as one action where nothing else runs
+(`tables.fuse_ticks`): a one-stage 1F1B step is a scan of value-and-grad.
 
-The loop's shape is dictated by how XLA keeps the big buffers (stashes,
-gradient accumulators) in place: it copies a buffer that is read and then
-updated in one iteration, and one that a conditional's branches update in
-different combinations (one branch the residuals, another the gradients).
-So the stashes are written at the start of a tick, before anything reads
-them, and forward and backward are two conditionals, each of which updates
-one thing. Parameters live in slots (`graphpipe.runtime.slots`) because a
-slice of a flat buffer is a copy on XLA:CPU.
+The loop's shape is dictated by what XLA:CPU keeps in place. It copies a
+whole buffer (stash, gradient slots) that is read and then updated in one
+iteration, and one that two branches of a conditional update (two devices'
+forwards, or forward and backward): so stashes are written at the start of
+a tick, before anything reads them, and each update sits in a two-way
+conditional (skip, or compute and update) around a switch whose branches
+return new values only. Parameters live in slots (`graphpipe.runtime.slots`)
+because a slice of a flat buffer is a copy on XLA:CPU.
 """
 
 from __future__ import annotations
@@ -52,6 +56,25 @@ from graphpipe.schedule import Schedule
 AXIS = "pipe"
 
 
+def _dispatch(index, branches, ops):
+  """`branches[index](ops)`; a switch only when there is a choice."""
+  if len(branches) == 1:
+    return branches[0](ops)
+  return lax.switch(index, branches, ops)
+
+
+def _unless_idle(active, run, skip, branches):
+  """f(ops): `run` where `active(ops)`, else `skip`; `skip` if no branches."""
+  if not branches:
+    return skip
+  return lambda ops: lax.cond(active(ops), run, skip, ops)
+
+
+def _save_products(primitive, *_, **__) -> bool:
+  """Checkpoint policy: keep matrix products' outputs (see `_vjp_parts`)."""
+  return primitive in (lax.dot_general_p, lax.conv_general_dilated_p)
+
+
 class Operands(NamedTuple):
   """What every branch of the tick's two `lax.switch`es receives."""
 
@@ -63,6 +86,8 @@ class Operands(NamedTuple):
   res: jax.Array  # residual stash
   gacc: tuple  # accumulated parameter gradients, slots like `params`
   loss: jax.Array  # accumulated loss
+  forward: jax.Array  # the tick's forward: 0 none, 1 + i forward_devices[i]
+  backward: jax.Array  # 0 none, 1 + i backward or fused branch i
   microbatch: jax.Array  # the action's micro-batch
   act_slot: jax.Array  # its slots in the three stashes
   grad_slot: jax.Array
@@ -188,7 +213,9 @@ class StepBuilder:
     lay = self.layout
     ticks = build_tables(lay, self.schedule, self._channels, self.recompute)
     self.tables = ticks.arrays
-    self.branch_devices = ticks.branch_devices
+    self.forward_devices = ticks.forward_devices
+    self.backward_devices = ticks.backward_devices
+    self.fused_devices = ticks.fused_devices
     self.buffers = Buffers(
       params=slots.plan_slots(self._variables("params")),
       state=slots.plan_slots(self._variables("state")),
@@ -242,9 +269,15 @@ class StepBuilder:
     trainable = {k: params[k] for k in s.params}
     frozen = {k: params[k] for k in s.state}
 
-    def diff(p, a):
-      return f({**p, **frozen}, a, batch)
-
+    # Residuals are the outputs of matrix products (and the stage's
+    # inputs); the backward recomputes the elementwise work between them.
+    # The VJP's own residuals were several times as many bytes (every
+    # intermediate of every elementwise op), and writing and reading them
+    # through the stash cost more than recomputing them: plain XLA keeps
+    # about this much, by fusing that elementwise work into the backward.
+    diff = jax.checkpoint(
+      lambda p, a: f({**p, **frozen}, a, batch), policy=_save_products
+    )
     outs, vjp = jax.vjp(diff, trainable, acts)
     leaves, treedef = jax.tree.flatten(vjp)
     param_ids = {id(v): k for k, v in trainable.items()}
@@ -332,9 +365,9 @@ class StepBuilder:
         ops.act, ops.act_slot * buf.act_slot, in_size
       )
       rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
-      res = ops.res
       if self.recompute:
         out, stage_loss = f({**trainable, **frozen}, acts, rows)
+        kept = None
       else:
         (out, stage_loss), leaves, _, keep, _ = self._vjp_parts(
           stage, {**trainable, **frozen}, acts, rows
@@ -342,11 +375,8 @@ class StepBuilder:
         kept = packing.pad_to(
           packing.pack_leaves([leaves[i] for i in keep]), buf.res_slot
         )
-        res = lax.dynamic_update_slice_in_dim(
-          res, kept, ops.res_slot * buf.res_slot, 0
-        )
       sends = self._sends(device, out, out_offsets, forward=True)
-      return res, ops.loss + weight * stage_loss, sends
+      return kept, weight * stage_loss, sends
 
     return branch
 
@@ -391,26 +421,80 @@ class StepBuilder:
       grad_params, grad_acts = vjp(
         (cotangent, jnp.asarray(weight, jnp.float32))
       )
-      gacc = slots.accumulate(ops.gacc, buf.params, stage, grad_params)
+      updates = slots.scatter(buf.params, stage, grad_params)
       sends = self._sends(device, grad_acts, in_offsets, forward=False)
-      return gacc, sends
+      return updates, jnp.zeros((), jnp.float32), sends
 
     return branch
 
-  def branches(self):
-    """([skip, F of d0, F of d1, ...], [skip, B of d0, ...]) to switch on."""
+  def _fused_branch(self, device):
+    """A sink stage's forward and backward at once (`tables.fuse_ticks`)."""
+    stage = self.device_stage[device]
+    lay, buf = self.layout, self.buffers
+    in_size, in_offsets = lay.in_size(stage), lay.in_offsets(stage)
+    weight = self._loss_weight(stage)
+    f = self.stage_function(stage)
 
-    def skip_forward(ops):
+    def branch(ops):
+      trainable, frozen = self._read_variables(ops, stage)
+      acts = lax.dynamic_slice_in_dim(
+        ops.act, ops.act_slot * buf.act_slot, in_size
+      )
+      rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
+      (out, stage_loss), vjp = jax.vjp(
+        lambda p, a: f({**p, **frozen}, a, rows), trainable, acts
+      )
+      grad_params, grad_acts = vjp(
+        (jnp.zeros_like(out), jnp.asarray(weight, jnp.float32))
+      )
+      updates = slots.scatter(buf.params, stage, grad_params)
+      sends = self._sends(device, grad_acts, in_offsets, forward=False)
+      return updates, weight * stage_loss, sends
+
+    return branch
+
+  def forward_step(self):
+    """f(ops) -> (res, loss, sends) of a tick's forward, if any.
+
+    XLA:CPU keeps a buffer in place through a conditional only if one of
+    its branches updates it and the others pass it through; with two or
+    more branches updating it (the forwards of different devices) it
+    copies the buffer. So a two-way conditional (skip, or forward and
+    update) holds a switch over the devices' forwards, which return new
+    values only; on one device there is no switch.
+    """
+    buf = self.buffers
+    branches = [self._forward_branch(d) for d in self.forward_devices]
+
+    def run(ops):
+      kept, loss, sends = _dispatch(ops.forward - 1, branches, ops)
+      res = ops.res
+      if kept is not None:
+        res = lax.dynamic_update_slice_in_dim(
+          res, kept, ops.res_slot * buf.res_slot, 0
+        )
+      return res, ops.loss + loss, sends
+
+    def skip(ops):
       return ops.res, ops.loss, self._sends(None)
 
-    def skip_backward(ops):
-      return ops.gacc, self._sends(None)
+    return _unless_idle(lambda ops: ops.forward > 0, run, skip, branches)
 
-    forward, backward = [skip_forward], [skip_backward]
-    for d in self.branch_devices:
-      forward.append(self._forward_branch(d))
-      backward.append(self._backward_branch(d))
-    return forward, backward
+  def backward_step(self):
+    """f(ops) -> (gacc, loss, sends) of a tick's backward or fused action."""
+    branches = [self._backward_branch(d) for d in self.backward_devices] + [
+      self._fused_branch(d) for d in self.fused_devices
+    ]
+
+    def run(ops):
+      updates, loss, sends = _dispatch(ops.backward - 1, branches, ops)
+      gacc = tuple(g + u for g, u in zip(ops.gacc, updates, strict=True))
+      return gacc, ops.loss + loss, sends
+
+    def skip(ops):
+      return ops.gacc, ops.loss, self._sends(None)
+
+    return _unless_idle(lambda ops: ops.backward > 0, run, skip, branches)
 
   # The body.
 
@@ -418,7 +502,7 @@ class StepBuilder:
     """Inside shard_map: this device's reduced gradients and the loss."""
     buf = self.buffers
     me = lax.axis_index(AXIS)
-    forward, backward = self.branches()
+    forward, backward = self.forward_step(), self.backward_step()
     tables = {k: jnp.asarray(v) for k, v in self.tables.items()}
 
     def write(buffer, data, start, length, enable):
@@ -461,15 +545,15 @@ class StepBuilder:
         res,
         gacc,
         loss,
+        mine["forward"],
+        mine["backward"],
         mine["mb"],
         mine["act_slot"],
         mine["grad_slot"],
         mine["res_slot"],
       )
-      res, loss, forward_sends = lax.switch(mine["forward"], forward, ops)
-      gacc, backward_sends = lax.switch(
-        mine["backward"], backward, ops._replace(res=res)
-      )
+      res, loss, forward_sends = forward(ops)
+      gacc, loss, backward_sends = backward(ops._replace(res=res, loss=loss))
       # A device runs at most one action a tick; `where` keeps the bits of
       # bit-cast integers that an add could change.
       sends = jnp.where(mine["forward"] > 0, forward_sends, backward_sends)

@@ -1,4 +1,4 @@
-"""Parameter slots: placement rules, and reading / accumulating in them."""
+"""Parameter slots: placement rules, and reading / writing them."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -68,7 +68,7 @@ def test_random_stages_always_fit_in_the_largest_stage(seed):
   check_layout(stages, slots.plan_slots(stages))
 
 
-def test_read_and_accumulate_round_trip():
+def test_read_and_scatter_round_trip():
   stages = [[("a", 6), ("b", 2)], [("c", 6), ("d", 1), ("e", 1)]]
   shapes = {
     "a": ((2, 3), "float32"),
@@ -91,8 +91,7 @@ def test_read_and_accumulate_round_trip():
     )
     for k in keys:
       np.testing.assert_array_equal(read[k], values[k])
-    acc = tuple(jnp.zeros(n) for n in layout.sizes)
-    acc = slots.accumulate(acc, layout, stage, {k: 2 * read[k] for k in keys})
+    acc = slots.scatter(layout, stage, {k: 2 * read[k] for k in keys})
     back = slots.host_values(
       layout, stage, [np.asarray(x) for x in acc], shapes
     )
