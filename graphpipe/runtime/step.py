@@ -14,8 +14,9 @@
           grads of params and of inputs <- VJP of the stage
           sends <- rows of the input gradients, for the predecessors
         gradient slots += grads of params
-      for channel in channels:                   # fixed permutations
-        inbox[channel] = lax.ppermute(sends[channel])   # fan-out / fan-in
+      if anything is sent at this tick:          # the same on all devices
+        for channel in channels:                 # fixed permutations
+          inbox[channel] = lax.ppermute(sends[channel])  # fan-out / fan-in
     gradients: sum over each data-parallel stage's devices (fixed order)
     loss: psum; optimizer: optax on each device's parameter slots
 
@@ -512,6 +513,14 @@ class StepBuilder:
         buffer, jnp.where(keep, data, window), start, 0
       )
 
+    def exchange(sends):
+      return jnp.stack(
+        [
+          lax.ppermute(sends[c], AXIS, perm)
+          for c, perm in enumerate(self.channels)
+        ]
+      )
+
     def tick(carry, row):
       act, grad, res, gacc, loss, inbox = carry
       mine = {k: v[me] for k, v in row.items()}
@@ -557,13 +566,13 @@ class StepBuilder:
       # A device runs at most one action a tick; `where` keeps the bits of
       # bit-cast integers that an add could change.
       sends = jnp.where(mine["forward"] > 0, forward_sends, backward_sends)
-      inbox = jnp.stack(
-        [
-          lax.ppermute(sends[c], AXIS, perm)
-          for c, perm in enumerate(self.channels)
-        ]
-        or [jnp.zeros((buf.channel,), jnp.float32)]
-      )
+      if self.channels:
+        # Ticks where nothing is sent skip the collectives, and with them
+        # the wait for the other devices. The inbox is read only where a
+        # transfer arrived, so a skipped tick may leave anything in it.
+        inbox = lax.cond(
+          mine["exchange"] == 1, exchange, lambda sends: sends, sends
+        )
       return (act, grad, res, gacc, loss, inbox), None
 
     zeros = lambda n: jnp.zeros((n,), jnp.float32)

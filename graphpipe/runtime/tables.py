@@ -62,10 +62,11 @@ class TickTables:
       `forward_devices`), 'backward' (0 none, 1 + i the backward of the
       i-th of `backward_devices`, 1 + len(backward_devices) + j the fused
       forward and backward of the j-th of `fused_devices`), 'mb',
-      'act_slot', 'grad_slot', 'res_slot', and per channel 'recv_valid',
-      'recv_grad', 'recv_slot', 'recv_offset', 'recv_len': where the rows
-      that arrived at the end of the *previous* tick go (the step writes
-      them before it reads any stash).
+      'act_slot', 'grad_slot', 'res_slot', 'exchange' (1 where anything is
+      sent at the end of the tick, alike on every device), and per channel
+      'recv_valid', 'recv_grad', 'recv_slot', 'recv_offset', 'recv_len':
+      where the rows that arrived at the end of the *previous* tick go
+      (the step writes them before it reads any stash).
     forward_devices, backward_devices, fused_devices: the devices that
       run such actions, in branch order.
     act_slots, grad_slots, res_slots: slots needed on any device.
@@ -144,6 +145,7 @@ def build_tables(
     "act_slot": np.zeros(shape, np.int32),
     "grad_slot": np.zeros(shape, np.int32),
     "res_slot": np.zeros(shape, np.int32),
+    "exchange": np.zeros(shape, np.int32),
     "recv_valid": np.zeros(shape + (num_channels,), np.int32),
     "recv_grad": np.zeros(shape + (num_channels,), np.int32),
     "recv_slot": np.zeros(shape + (num_channels,), np.int32),
@@ -215,6 +217,8 @@ def build_tables(
   # to use it).
   if arrays["recv_valid"][-1].any():
     raise PipelineRuntimeError("the schedule sends at its last tick")
+  # The same on every device: all take part in a tick's ppermutes or none.
+  arrays["exchange"][:] = arrays["recv_valid"].any(axis=(1, 2))[:, None]
   for key in RECV_KEYS:
     arrays[key] = np.roll(arrays[key], 1, axis=0)
   return TickTables(

@@ -1,10 +1,13 @@
-"""Tick tables: which forwards and backwards the runtime fuses."""
+"""Tick tables: fused actions, and the ticks where devices exchange."""
 
 import numpy as np
+import optax
 
 from graphpipe.plan import Plan, Stage, in_flight_counts
+from graphpipe.runtime import Trainer
 from graphpipe.runtime.tables import FUSED, fuse_ticks, schedule_table
 from graphpipe.schedule import schedule_for
+from tests.graphpipe import runtime_cases as rc
 
 
 def chain(num_stages, microbatches, kind, edges=None):
@@ -34,3 +37,16 @@ def test_independent_sinks_fuse_together():
   fused = fuse_ticks(chain(2, 3, "1f1b", edges=()))
   assert fused.shape[0] == 3
   assert (fused[:, :, 1] == FUSED).all()
+
+
+def test_devices_exchange_exactly_at_ticks_where_something_is_sent():
+  plan = rc.pipeline_plan("two_branch", 4, "sequential")
+  trainer = Trainer(plan, optax.sgd(0.1), graph=rc.tiny_graph("two_branch"))
+  tables = trainer.builder.tables
+  exchange = tables["exchange"]
+  assert (exchange == exchange[:, :1]).all()  # all devices alike
+  # Rows received at the start of tick t + 1 were sent at the end of t.
+  sent = tables["recv_valid"].any(axis=(1, 2))
+  np.testing.assert_array_equal(exchange[:-1, 0], sent[1:])
+  assert not exchange[-1].any()
+  assert 0 < exchange[:, 0].sum() < len(exchange)
