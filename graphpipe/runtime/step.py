@@ -1,23 +1,39 @@
 """The pipelined training step: one SPMD program over a 1-D device mesh.
 
-    for tick in schedule:                        # lax.scan over ticks
-      action = table[tick, my_device]            # e.g. 2F0, 2B0 or idle
-      lax.switch(branch of (my_device, F/B)):    # each device its own code
-        F: inputs  <- activation stash (rows received earlier), batch rows
-           outputs, loss <- the stage's node jaxprs; keep what B needs
-           send rows of each output edge matrix to the successors' devices
-        B: cotangents <- gradient stash (sent by successors' B)
-           grads of params (accumulated) and of inputs <- VJP of the stage
-           send rows of the input gradients back to the predecessors
-      for channel in channels:                   # fixed permutations
-        received = lax.ppermute(send[channel])   # fan-out / fan-in
-        write it into the activation or gradient stash (table says where)
+    for tick in tables:                          # lax.scan over ticks
+      write what arrived last tick into the activation / gradient stashes
+      if forward[tick, my_device]:               # e.g. 2F0
+        switch to my device's forward:           # each device its own code
+          inputs <- activation stash, batch rows
+          outputs, loss <- the stage's node jaxprs
+          sends <- rows of each output edge matrix, for the successors
+        residuals (outputs of matrix products) -> residual stash
+      if backward[tick, my_device]:              # e.g. 2B0, or 2F0+2B0 fused
+        switch to my device's backward:
+          cotangents <- gradient stash (sent by successors' B)
+          grads of params and of inputs <- VJP of the stage
+          sends <- rows of the input gradients, for the predecessors
+        gradient slots += grads of params
+      if anything is sent at this tick:          # the same on all devices
+        for channel in channels:                 # fixed permutations
+          inbox[channel] = lax.ppermute(sends[channel])  # fan-out / fan-in
     gradients: sum over each data-parallel stage's devices (fixed order)
-    loss: psum; optimizer: optax on each device's flat parameter buffer
+    loss: psum; optimizer: optax on each device's parameter slots
 
 Every per-device difference lives in static tables indexed by tick and
 device, so the scan body is one program. What a device computes at tick t
-is readable by its receivers from tick t + 1.
+is readable by its receivers from tick t + 1. A sink stage's forward and
+the backward at the next tick run as one action where nothing else runs
+(`tables.fuse_ticks`): a one-stage 1F1B step is a scan of value-and-grad.
+
+The loop's shape is dictated by what XLA:CPU keeps in place. It copies a
+whole buffer (stash, gradient slots) that is read and then updated in one
+iteration, and one that two branches of a conditional update (two devices'
+forwards, or forward and backward): so stashes are written at the start of
+a tick, before anything reads them, and each update sits in a two-way
+conditional (skip, or compute and update) around a switch whose branches
+return new values only. Parameters live in slots (`graphpipe.runtime.slots`)
+because a slice of a flat buffer is a copy on XLA:CPU.
 """
 
 from __future__ import annotations
@@ -33,25 +49,47 @@ from jax import lax
 
 from graphpipe.errors import PipelineRuntimeError
 from graphpipe.frontend.program import Program
-from graphpipe.runtime import packing
+from graphpipe.runtime import packing, slots
 from graphpipe.runtime.layout import Layout
+from graphpipe.runtime.slots import SlotLayout
 from graphpipe.runtime.tables import build_tables, make_channels
 from graphpipe.schedules.grid import Schedule
 
 AXIS = "pipe"
 
 
-class Operands(NamedTuple):
-  """What every branch of the tick's `lax.switch` receives."""
+def _dispatch(index, branches, ops):
+  """`branches[index](ops)`; a switch only when there is a choice."""
+  if len(branches) == 1:
+    return branches[0](ops)
+  return lax.switch(index, branches, ops)
 
-  params: jax.Array  # this device's flat parameters
-  state: jax.Array  # its flat non-trainable variables
+
+def _unless_idle(active, run, skip, branches):
+  """f(ops): `run` where `active(ops)`, else `skip`; `skip` if no branches."""
+  if not branches:
+    return skip
+  return lambda ops: lax.cond(active(ops), run, skip, ops)
+
+
+def _save_products(primitive, *_, **__) -> bool:
+  """Checkpoint policy: keep matrix products' outputs (see `_vjp_parts`)."""
+  return primitive in (lax.dot_general_p, lax.conv_general_dilated_p)
+
+
+class Operands(NamedTuple):
+  """What every branch of the tick's two `lax.switch`es receives."""
+
+  params: tuple  # this device's parameter slots
+  state: tuple  # its non-trainable variable slots
   batch: dict  # the whole batch, replicated
   act: jax.Array  # activation stash (all slots, flat)
   grad: jax.Array  # gradient stash
   res: jax.Array  # residual stash
-  gacc: jax.Array  # accumulated parameter gradients
+  gacc: tuple  # accumulated parameter gradients, slots like `params`
   loss: jax.Array  # accumulated loss
+  forward: jax.Array  # the tick's forward: 0 none, 1 + i forward_devices[i]
+  backward: jax.Array  # 0 none, 1 + i backward or fused branch i
   microbatch: jax.Array  # the action's micro-batch
   act_slot: jax.Array  # its slots in the three stashes
   grad_slot: jax.Array
@@ -60,10 +98,14 @@ class Operands(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Buffers:
-  """Sizes (float32 elements) of the per-device buffers; all devices alike."""
+  """Sizes (float32 elements) of the per-device buffers; all devices alike.
 
-  params: int
-  state: int
+  `params` and `state` are the slot layouts of the trainable and the
+  non-trainable variables (`graphpipe.runtime.slots`).
+  """
+
+  params: SlotLayout
+  state: SlotLayout
   act_slot: int
   act_slots: int
   grad_slot: int
@@ -173,10 +215,12 @@ class StepBuilder:
     lay = self.layout
     ticks = build_tables(lay, self.schedule, self._channels, self.recompute)
     self.tables = ticks.arrays
-    self.branch_devices = ticks.branch_devices
+    self.forward_devices = ticks.forward_devices
+    self.backward_devices = ticks.backward_devices
+    self.fused_devices = ticks.fused_devices
     self.buffers = Buffers(
-      params=max(1, max(lay.param_size(s.id) for s in lay.stages)),
-      state=max(1, max(lay.param_size(s.id, "state") for s in lay.stages)),
+      params=slots.plan_slots(self._variables("params")),
+      state=slots.plan_slots(self._variables("state")),
       act_slot=max(1, max(lay.in_size(s.id) for s in lay.stages)),
       act_slots=max(1, ticks.act_slots),
       grad_slot=max(1, max(lay.out_size(s.id) for s in lay.stages)),
@@ -193,6 +237,14 @@ class StepBuilder:
       channel=self._channels.size,
       channels=max(1, len(self.channels)),
     )
+
+  def _variables(self, kind):
+    """Per stage, (key, elements) of its `kind` ('params' or 'state')."""
+    shapes = self.layout.param_shapes
+    return [
+      [(k, math.prod(shapes[k][0])) for k in getattr(s, kind)]
+      for s in self.layout.stages
+    ]
 
   # Residuals (when not recomputing).
 
@@ -219,9 +271,15 @@ class StepBuilder:
     trainable = {k: params[k] for k in s.params}
     frozen = {k: params[k] for k in s.state}
 
-    def diff(p, a):
-      return f({**p, **frozen}, a, batch)
-
+    # Residuals are the outputs of matrix products (and the stage's
+    # inputs); the backward recomputes the elementwise work between them.
+    # The VJP's own residuals were several times as many bytes (every
+    # intermediate of every elementwise op), and writing and reading them
+    # through the stash cost more than recomputing them: plain XLA keeps
+    # about this much, by fusing that elementwise work into the backward.
+    diff = jax.checkpoint(
+      lambda p, a: f({**p, **frozen}, a, batch), policy=_save_products
+    )
     outs, vjp = jax.vjp(diff, trainable, acts)
     leaves, treedef = jax.tree.flatten(vjp)
     param_ids = {id(v): k for k, v in trainable.items()}
@@ -254,14 +312,13 @@ class StepBuilder:
       return 1.0
     return s.chunk / self.batch_size
 
-  def _unflatten(self, flat, keys):
-    out, at = {}, 0
-    for k in keys:
-      shape, dtype = self.layout.param_shapes[k]
-      n = math.prod(shape)
-      out[k] = flat[at : at + n].reshape(shape).astype(dtype)
-      at += n
-    return out
+  def _read_variables(self, ops, stage):
+    """(trainable, frozen) values of `stage` from the device's slots."""
+    s, shapes = self.layout.stages[stage], self.layout.param_shapes
+    return (
+      slots.read(ops.params, self.buffers.params, stage, s.params, shapes),
+      slots.read(ops.state, self.buffers.state, stage, s.state, shapes),
+    )
 
   def _batch_rows(self, stage, device, batch, mb):
     s = self.layout.stages[stage]
@@ -300,35 +357,28 @@ class StepBuilder:
   def _forward_branch(self, device):
     stage = self.device_stage[device]
     lay, buf = self.layout, self.buffers
-    s = lay.stages[stage]
     in_size, out_offsets = lay.in_size(stage), lay.out_offsets(stage)
     weight = self._loss_weight(stage)
     f = self.stage_function(stage)
 
     def branch(ops):
-      values = {
-        **self._unflatten(ops.params, s.params),
-        **self._unflatten(ops.state, s.state),
-      }
+      trainable, frozen = self._read_variables(ops, stage)
       acts = lax.dynamic_slice_in_dim(
         ops.act, ops.act_slot * buf.act_slot, in_size
       )
       rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
-      res = ops.res
       if self.recompute:
-        out, stage_loss = f(values, acts, rows)
+        out, stage_loss = f({**trainable, **frozen}, acts, rows)
+        kept = None
       else:
         (out, stage_loss), leaves, _, keep, _ = self._vjp_parts(
-          stage, values, acts, rows
+          stage, {**trainable, **frozen}, acts, rows
         )
         kept = packing.pad_to(
           packing.pack_leaves([leaves[i] for i in keep]), buf.res_slot
         )
-        res = lax.dynamic_update_slice_in_dim(
-          res, kept, ops.res_slot * buf.res_slot, 0
-        )
       sends = self._sends(device, out, out_offsets, forward=True)
-      return res, ops.gacc, ops.loss + weight * stage_loss, sends
+      return kept, weight * stage_loss, sends
 
     return branch
 
@@ -342,8 +392,7 @@ class StepBuilder:
     f = self.stage_function(stage)
 
     def branch(ops):
-      trainable = self._unflatten(ops.params, s.params)
-      frozen = self._unflatten(ops.state, s.state)
+      trainable, frozen = self._read_variables(ops, stage)
       rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
       if self.recompute:
         acts = lax.dynamic_slice_in_dim(
@@ -357,15 +406,16 @@ class StepBuilder:
         _, leaves, treedef, keep, _ = self._vjp_parts(
           stage, {**trainable, **frozen}, blank, rows
         )
-        stored = lax.dynamic_slice_in_dim(
-          ops.res, ops.res_slot * buf.res_slot, buf.res_slot
-        )
-        for i, value in zip(
-          keep,
-          packing.unpack_leaves(stored, self._residual_avals[stage]),
-          strict=True,
-        ):
-          leaves[i] = value
+        # Each residual is sliced straight from the stash: slicing the
+        # whole slot first would copy it.
+        at = ops.res_slot * buf.res_slot
+        for i, aval in zip(keep, self._residual_avals[stage], strict=True):
+          size = math.prod(aval.shape)
+          stored = lax.dynamic_slice_in_dim(ops.res, at, size)
+          leaves[i] = packing.from_f32(stored, str(aval.dtype)).reshape(
+            aval.shape
+          )
+          at = at + size
         vjp = jax.tree.unflatten(treedef, leaves)
       cotangent = lax.dynamic_slice_in_dim(
         ops.grad, ops.grad_slot * buf.grad_slot, out_size
@@ -373,23 +423,80 @@ class StepBuilder:
       grad_params, grad_acts = vjp(
         (cotangent, jnp.asarray(weight, jnp.float32))
       )
-      flat = packing.pack_leaves([grad_params[k] for k in s.params])
-      gacc = ops.gacc + packing.pad_to(flat, buf.params)
+      updates = slots.scatter(buf.params, stage, grad_params)
       sends = self._sends(device, grad_acts, in_offsets, forward=False)
-      return ops.res, gacc, ops.loss, sends
+      return updates, jnp.zeros((), jnp.float32), sends
 
     return branch
 
-  def branches(self):
-    """[idle, F of device d0, B of d0, F of d1, ...] for `lax.switch`."""
+  def _fused_branch(self, device):
+    """A sink stage's forward and backward at once (`tables.fuse_ticks`)."""
+    stage = self.device_stage[device]
+    lay, buf = self.layout, self.buffers
+    in_size, in_offsets = lay.in_size(stage), lay.in_offsets(stage)
+    weight = self._loss_weight(stage)
+    f = self.stage_function(stage)
 
-    def idle(ops):
-      return ops.res, ops.gacc, ops.loss, self._sends(None)
+    def branch(ops):
+      trainable, frozen = self._read_variables(ops, stage)
+      acts = lax.dynamic_slice_in_dim(
+        ops.act, ops.act_slot * buf.act_slot, in_size
+      )
+      rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
+      (out, stage_loss), vjp = jax.vjp(
+        lambda p, a: f({**p, **frozen}, a, rows), trainable, acts
+      )
+      grad_params, grad_acts = vjp(
+        (jnp.zeros_like(out), jnp.asarray(weight, jnp.float32))
+      )
+      updates = slots.scatter(buf.params, stage, grad_params)
+      sends = self._sends(device, grad_acts, in_offsets, forward=False)
+      return updates, weight * stage_loss, sends
 
-    out = [idle]
-    for d in self.branch_devices:
-      out += [self._forward_branch(d), self._backward_branch(d)]
-    return out
+    return branch
+
+  def forward_step(self):
+    """f(ops) -> (res, loss, sends) of a tick's forward, if any.
+
+    XLA:CPU keeps a buffer in place through a conditional only if one of
+    its branches updates it and the others pass it through; with two or
+    more branches updating it (the forwards of different devices) it
+    copies the buffer. So a two-way conditional (skip, or forward and
+    update) holds a switch over the devices' forwards, which return new
+    values only; on one device there is no switch.
+    """
+    buf = self.buffers
+    branches = [self._forward_branch(d) for d in self.forward_devices]
+
+    def run(ops):
+      kept, loss, sends = _dispatch(ops.forward - 1, branches, ops)
+      res = ops.res
+      if kept is not None:
+        res = lax.dynamic_update_slice_in_dim(
+          res, kept, ops.res_slot * buf.res_slot, 0
+        )
+      return res, ops.loss + loss, sends
+
+    def skip(ops):
+      return ops.res, ops.loss, self._sends(None)
+
+    return _unless_idle(lambda ops: ops.forward > 0, run, skip, branches)
+
+  def backward_step(self):
+    """f(ops) -> (gacc, loss, sends) of a tick's backward or fused action."""
+    branches = [self._backward_branch(d) for d in self.backward_devices] + [
+      self._fused_branch(d) for d in self.fused_devices
+    ]
+
+    def run(ops):
+      updates, loss, sends = _dispatch(ops.backward - 1, branches, ops)
+      gacc = tuple(g + u for g, u in zip(ops.gacc, updates, strict=True))
+      return gacc, ops.loss + loss, sends
+
+    def skip(ops):
+      return ops.gacc, ops.loss, self._sends(None)
+
+    return _unless_idle(lambda ops: ops.backward > 0, run, skip, branches)
 
   # The body.
 
@@ -397,7 +504,7 @@ class StepBuilder:
     """Inside shard_map: this device's reduced gradients and the loss."""
     buf = self.buffers
     me = lax.axis_index(AXIS)
-    branches = self.branches()
+    forward, backward = self.forward_step(), self.backward_step()
     tables = {k: jnp.asarray(v) for k, v in self.tables.items()}
 
     def write(buffer, data, start, length, enable):
@@ -407,9 +514,38 @@ class StepBuilder:
         buffer, jnp.where(keep, data, window), start, 0
       )
 
+    def exchange(sends):
+      return jnp.stack(
+        [
+          lax.ppermute(sends[c], AXIS, perm)
+          for c, perm in enumerate(self.channels)
+        ]
+      )
+
     def tick(carry, row):
-      act, grad, res, gacc, loss = carry
+      act, grad, res, gacc, loss, inbox = carry
       mine = {k: v[me] for k, v in row.items()}
+      # What arrived at the end of the last tick goes into the stashes
+      # first: written before they are read, they stay in place.
+      for c in range(len(self.channels)):
+        valid = mine["recv_valid"][c] == 1
+        is_grad = mine["recv_grad"][c] == 1
+        length = mine["recv_len"][c]
+        slot, offset = mine["recv_slot"][c], mine["recv_offset"][c]
+        act = write(
+          act,
+          inbox[c],
+          slot * buf.act_slot + offset,
+          length,
+          valid & ~is_grad,
+        )
+        grad = write(
+          grad,
+          inbox[c],
+          slot * buf.grad_slot + offset,
+          length,
+          valid & is_grad,
+        )
       ops = Operands(
         params,
         state,
@@ -419,42 +555,37 @@ class StepBuilder:
         res,
         gacc,
         loss,
+        mine["forward"],
+        mine["backward"],
         mine["mb"],
         mine["act_slot"],
         mine["grad_slot"],
         mine["res_slot"],
       )
-      res, gacc, loss, sends = lax.switch(mine["branch"], branches, ops)
-      for c, perm in enumerate(self.channels):
-        received = lax.ppermute(sends[c], AXIS, perm)
-        valid = mine["recv_valid"][c] == 1
-        is_grad = mine["recv_grad"][c] == 1
-        length = mine["recv_len"][c]
-        act = write(
-          act,
-          received,
-          mine["recv_slot"][c] * buf.act_slot + mine["recv_offset"][c],
-          length,
-          valid & ~is_grad,
+      res, loss, forward_sends = forward(ops)
+      gacc, loss, backward_sends = backward(ops._replace(res=res, loss=loss))
+      # A device runs at most one action a tick; `where` keeps the bits of
+      # bit-cast integers that an add could change.
+      sends = jnp.where(mine["forward"] > 0, forward_sends, backward_sends)
+      if self.channels:
+        # Ticks where nothing is sent skip the collectives, and with them
+        # the wait for the other devices. The inbox is read only where a
+        # transfer arrived, so a skipped tick may leave anything in it.
+        inbox = lax.cond(
+          mine["exchange"] == 1, exchange, lambda sends: sends, sends
         )
-        grad = write(
-          grad,
-          received,
-          mine["recv_slot"][c] * buf.grad_slot + mine["recv_offset"][c],
-          length,
-          valid & is_grad,
-        )
-      return (act, grad, res, gacc, loss), None
+      return (act, grad, res, gacc, loss, inbox), None
 
     zeros = lambda n: jnp.zeros((n,), jnp.float32)
     carry = (
       zeros(buf.act_slot * buf.act_slots + buf.channel),
       zeros(buf.grad_slot * buf.grad_slots + buf.channel),
       zeros(buf.res_slot * buf.res_slots),
-      zeros(buf.params),
+      tuple(zeros(n) for n in buf.params.sizes),
       jnp.zeros((), jnp.float32),
+      jnp.zeros((buf.channels, buf.channel), jnp.float32),
     )
-    (_, _, _, gacc, loss), _ = lax.scan(tick, carry, tables)
+    (_, _, _, gacc, loss, _), _ = lax.scan(tick, carry, tables)
     return self._reduce_replicas(gacc), lax.psum(loss, AXIS)
 
   def _reduce_replicas(self, gacc):
@@ -482,9 +613,13 @@ class StepBuilder:
         for i in range(len(g))
       ]
       received.append(lax.ppermute(gacc, AXIS, perm))
-    received = jnp.stack(received)
-    total = jnp.zeros_like(gacc)
-    for j in range(largest):
-      k = jnp.mod(j - pos, n)
-      total = total + jnp.where(j < n, received[k], 0.0)
-    return total
+
+    def in_order(*copies):
+      stacked = jnp.stack(copies)
+      total = jnp.zeros_like(copies[0])
+      for j in range(largest):
+        k = jnp.mod(j - pos, n)
+        total = total + jnp.where(j < n, stacked[k], 0.0)
+      return total
+
+    return jax.tree.map(in_order, *received)
