@@ -33,43 +33,37 @@ count: the same plan with idle ticks appended to its schedule, minus the
 plain schedule, over the number of idle ticks.
 """
 
+import dataclasses
+import json
 import os
+import statistics
 import sys
+import time
 
+from absl import app, flags
 
-def _flag_from_argv(name: str, default: str) -> str:
-  """A flag read before absl parses it (the core is pinned before JAX)."""
-  for arg in sys.argv:
-    if arg.startswith(f"--{name}="):
-      return arg.split("=", 1)[1]
-  return default
-
+from experiments import common
+from experiments.overhead_models import (
+  MLP_LAYERS,
+  Case,
+  build,
+  chain_plan,
+  plain_steps,
+)
 
 if __name__ == "__main__":
   # One core per process, chosen before JAX starts so that XLA sizes its
   # thread pool to it; launched children take the core of their id.
   if "GRAPHPIPE_PROCESS_ID" in os.environ:
-    _core = int(os.environ["GRAPHPIPE_PROCESS_ID"]) % os.cpu_count()
+    common.pin_to_core(int(os.environ["GRAPHPIPE_PROCESS_ID"]))
   else:
-    _core = int(_flag_from_argv("core", "0"))
-  os.sched_setaffinity(0, {_core})
-  os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "")
-    + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-  ).strip()
-
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-from absl import app, flags  # noqa: E402
+    common.pin_to_core(common.int_flag_from_argv("core", 0))
 
 SCHEDULES = ("1f1b", "gpipe")
-MLP_LAYERS = 8
 
 
 def _define_flags():
+  common.define_flags()
   flags.DEFINE_list("mlp_widths", ["512", "1024"], "Widths of the tanh MLP.")
   flags.DEFINE_list("mlp_batch_sizes", ["256", "512"], "MLP batch sizes.")
   flags.DEFINE_list("microbatches", ["4", "8"], "Micro-batch counts (MLP).")
@@ -93,169 +87,6 @@ def _define_flags():
     "smoke", False, "Tiny sizes and 2 pairs: checks the machinery only."
   )
   flags.DEFINE_string("out", None, "Output folder.", required=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  """One benchmarked configuration.
-
-  Attributes:
-    model: 'mlp<width>', 'transformer-tiny' or 'transformer-mid'.
-    batch_size: samples per step.
-    microbatches: micro-batches per step.
-  """
-
-  model: str
-  batch_size: int
-  microbatches: int
-
-
-def build(case: Case, seed: int = 0):
-  """(model, loss_fn, numpy batch) of `case`."""
-  import jax.numpy as jnp
-  import numpy as np
-  from flax import nnx
-
-  from graphpipe import models
-  from graphpipe.models import transformer
-
-  if case.model.startswith("mlp"):
-    width = int(case.model[3:])
-
-    class TanhLayer(nnx.Module):
-      def __init__(self, rngs):
-        self.linear = nnx.Linear(width, width, rngs=rngs)
-
-      def __call__(self, x):
-        return jnp.tanh(self.linear(x))
-
-    class TanhChain(nnx.Module):
-      def __init__(self, rngs):
-        self.layers = nnx.List([TanhLayer(rngs) for _ in range(MLP_LAYERS)])
-
-      def __call__(self, x):
-        for layer in self.layers:
-          x = layer(x)
-        return x
-
-    def loss_fn(model, batch):
-      return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-    rng = np.random.default_rng(seed)
-    batch = {
-      k: rng.standard_normal((case.batch_size, width), dtype=np.float32)
-      for k in ("x", "y")
-    }
-    return TanhChain(nnx.Rngs(seed)), loss_fn, batch
-  spec = models.get("transformer")
-  if case.model == "transformer-tiny":
-    cfg = models.config("transformer", "tiny")
-  elif case.model == "transformer-mid":
-    cfg = transformer.Config(
-      num_layers=4,
-      seq_len=64,
-      hidden=128,
-      num_heads=4,
-      ffn=512,
-      num_classes=10,
-    )
-  else:
-    raise ValueError(f"unknown model {case.model!r}")
-  model = models.build("transformer", cfg, seed=seed)
-  return model, spec.loss_fn, spec.make_batch(cfg, case.batch_size, seed=seed)
-
-
-def chain_plan(graph, case: Case, num_stages: int, schedule: str):
-  """A plan cutting the node chain into `num_stages` equal runs."""
-  from graphpipe.core.stages import Plan, Stage, in_flight_counts
-
-  ids = sorted(n.id for n in graph.nodes)
-  edges = tuple((s, s + 1) for s in range(num_stages - 1))
-  counts = in_flight_counts(num_stages, edges)
-  micro = case.batch_size // case.microbatches
-  size = -(-len(ids) // num_stages)
-  stages = tuple(
-    Stage(s, tuple(ids[s * size : (s + 1) * size]), (s,), micro, counts[s])
-    for s in range(num_stages)
-  )
-  return Plan(
-    "manual",
-    stages,
-    edges,
-    case.batch_size,
-    num_stages,
-    schedule=schedule,
-    device="cpu",
-  )
-
-
-def plain_steps(model, loss_fn, case: Case, optimizer, graph) -> dict:
-  """Plain JAX: initial 'params' and 'opt_state', jitted 'steps' by
-  schedule, the 'forward' loss over all micro-batches, and 'values', which
-  maps plain parameters to the runtime's 'param:' keys (via `graph`).
-  """
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  weight = 1.0 / case.microbatches  # each micro-batch's share of the mean
-
-  def loss_of(p, microbatch):
-    return loss_fn(nnx.merge(graphdef, p, rest), microbatch) * weight
-
-  def split(batch):
-    return jax.tree.map(
-      lambda x: x.reshape((case.microbatches, -1) + x.shape[1:]), batch
-    )
-
-  def update(params, opt_state, grads):
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return jax.tree.map(jnp.add, params, updates), opt_state
-
-  def one_f_one_b(params, opt_state, batch):
-    def body(carry, microbatch):
-      loss, grads = carry
-      value, grad = jax.value_and_grad(loss_of)(params, microbatch)
-      return (loss + value, jax.tree.map(jnp.add, grads, grad)), None
-
-    zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-    (loss, grads), _ = jax.lax.scan(body, zero, split(batch))
-    return *update(params, opt_state, grads), loss
-
-  def total_loss(params, batch):
-    def body(loss, microbatch):
-      return loss + loss_of(params, microbatch), None
-
-    return jax.lax.scan(body, jnp.zeros(()), split(batch))[0]
-
-  def gpipe(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(total_loss)(params, batch)
-    return *update(params, opt_state, grads), loss
-
-  steps = {
-    "1f1b": jax.jit(one_f_one_b, donate_argnums=(0, 1)),
-    "gpipe": jax.jit(gpipe, donate_argnums=(0, 1)),
-  }
-
-  def values(p):
-    merged = nnx.merge(graphdef, p, rest)
-    return {
-      k: v
-      for k, v in graph.program.variable_values(merged).items()
-      if k.startswith("param:")
-    }
-
-  # Committed to the device from the start: the first step's outputs are,
-  # and inputs that differ in placement would compile the step twice.
-  params = jax.device_put(params, jax.local_devices()[0])
-  return {
-    "params": params,
-    "opt_state": optimizer.init(params),
-    "steps": steps,
-    "forward": jax.jit(total_loss),
-    "values": values,
-  }
 
 
 def alternate(systems: dict, pairs: int, warmup: int) -> dict:
@@ -485,8 +316,7 @@ def measure(cases_, num_stages: int, options, say) -> dict:
         f"m={case.microbatches} {schedule}: ours "
         f"{row['ours_step_s'] * 1e3:.1f} ms, plain "
         f"{row['plain_step_s'] * 1e3:.1f} ms, ratio {row['ratio']:.3f}, "
-        f"overhead {row['overhead']:.3f}",
-        flush=True,
+        f"overhead {row['overhead']:.3f}"
       )
       rows.append(row)
   tick = empty_tick(cases_[0], num_stages, options) if cases_ else None
@@ -494,7 +324,7 @@ def measure(cases_, num_stages: int, options, say) -> dict:
 
 
 def main(argv):
-  del argv
+  common.start(argv)
   import jax
 
   from graphpipe.runtime.launch import initialize_from_env, launch
@@ -505,15 +335,14 @@ def main(argv):
   one, two = cases(options)
   if initialize_from_env():
     leader = jax.process_index() == 0
-    say = print if leader else (lambda *a, **k: None)
+    say = common.log if leader else (lambda *a, **k: None)
     part = measure(two, 2, options, say)
-    say("RESULT " + json.dumps(part), flush=True)
+    if leader:
+      print("RESULT " + json.dumps(part), flush=True)
     return
-  from experiments.plan import environment
-
   load_before = os.getloadavg()
-  print(f"pinned to cores {sorted(os.sched_getaffinity(0))}", flush=True)
-  results = measure(one, 1, options, print)
+  common.log(f"pinned to cores {sorted(os.sched_getaffinity(0))}")
+  results = measure(one, 1, options, common.log)
   rows = results["rows"]
   empty_tick_s = {"1": results["empty_tick_s"]}
   if two:
@@ -523,8 +352,11 @@ def main(argv):
       1,
       timeout=7200,
     )
-    print(outputs[0], end="")
-    line = [x for x in outputs[0].splitlines() if x.startswith("RESULT ")]
+    lines = outputs[0].splitlines()
+    for text in lines:
+      if not text.startswith("RESULT "):
+        sys.stderr.write(text + "\n")
+    line = [x for x in lines if x.startswith("RESULT ")]
     part = json.loads(line[-1][len("RESULT ") :])
     rows += part["rows"]
     empty_tick_s["2"] = part["empty_tick_s"]
@@ -543,11 +375,9 @@ def main(argv):
     "load_average": {"before": load_before, "after": os.getloadavg()},
     "setup": "one-device rows: this process pinned to one core; two-device "
     "rows: 2 processes x 1 CPU device, each pinned to its own core",
-    "environment": environment(),
+    "environment": common.environment(),
   }
-  os.makedirs(options.out, exist_ok=True)
-  with open(os.path.join(options.out, "results.json"), "w") as f:
-    json.dump(results, f, indent=1)
+  common.write_results(options.out, results)
   for row in rows:
     print(
       f"{row['devices']} dev {row['model']:16s} {row['schedule']:5s} "

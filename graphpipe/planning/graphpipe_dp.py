@@ -139,6 +139,4 @@ class GraphPipePartitioner:
         front.feasible,
         solve,
       )
-    return distinct(
-      [Partition(tuple(stages), micro_batch) for stages in found]
-    )
+    return distinct([Partition(tuple(stages), micro_batch) for stages in found])

@@ -38,9 +38,7 @@ because a slice of a flat buffer is a copy on XLA:CPU.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +48,9 @@ from jax import lax
 from graphpipe.errors import PipelineRuntimeError
 from graphpipe.frontend.program import Program
 from graphpipe.runtime import packing, slots
+from graphpipe.runtime.buffers import Buffers, Operands
 from graphpipe.runtime.layout import Layout
-from graphpipe.runtime.slots import SlotLayout
+from graphpipe.runtime.stage_code import StageCode
 from graphpipe.runtime.tables import build_tables, make_channels
 from graphpipe.schedules.grid import Schedule
 
@@ -72,58 +71,7 @@ def _unless_idle(active, run, skip, branches):
   return lambda ops: lax.cond(active(ops), run, skip, ops)
 
 
-def _save_products(primitive, *_, **__) -> bool:
-  """Checkpoint policy: keep matrix products' outputs (see `_vjp_parts`)."""
-  return primitive in (lax.dot_general_p, lax.conv_general_dilated_p)
-
-
-class Operands(NamedTuple):
-  """What every branch of the tick's two `lax.switch`es receives."""
-
-  params: tuple  # this device's parameter slots
-  state: tuple  # its non-trainable variable slots
-  batch: dict  # the whole batch, replicated
-  act: jax.Array  # activation stash (all slots, flat)
-  grad: jax.Array  # gradient stash
-  res: jax.Array  # residual stash
-  gacc: tuple  # accumulated parameter gradients, slots like `params`
-  loss: jax.Array  # accumulated loss
-  forward: jax.Array  # the tick's forward: 0 none, 1 + i forward_devices[i]
-  backward: jax.Array  # 0 none, 1 + i backward or fused branch i
-  microbatch: jax.Array  # the action's micro-batch
-  act_slot: jax.Array  # its slots in the three stashes
-  grad_slot: jax.Array
-  res_slot: jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class Buffers:
-  """Sizes (float32 elements) of the per-device buffers; all devices alike.
-
-  `params` and `state` are the slot layouts of the trainable and the
-  non-trainable variables (`graphpipe.runtime.slots`).
-  """
-
-  params: SlotLayout
-  state: SlotLayout
-  act_slot: int
-  act_slots: int
-  grad_slot: int
-  grad_slots: int
-  res_slot: int
-  res_slots: int
-  channel: int
-  channels: int
-
-  def stash_bytes(self) -> int:
-    return 4 * (
-      self.act_slot * self.act_slots
-      + self.grad_slot * self.grad_slots
-      + self.res_slot * self.res_slots
-    )
-
-
-class StepBuilder:
+class StepBuilder(StageCode):
   """Builds the tables and the shard_map body of a pipelined step.
 
   Args:
@@ -149,67 +97,16 @@ class StepBuilder:
       raise PipelineRuntimeError(
         f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}"
       )
-    self.layout = layout
     self.schedule = schedule
     self.recompute = recompute
     self.loss_reduction = loss_reduction
     self.batch_size = batch_size
-    self.programs = {
-      s.chunk: program.at_batch_size(s.chunk) for s in layout.stages
-    }
-    self.consts = program.consts
+    super().__init__(layout, program)
     self.device_stage = layout.stage_of_device()
-    self._residual_avals = {}
     self._channels = make_channels(layout)
     self.channels = self._channels.groups
     self.channel_of = self._channels.channel_of
     self._make_tables()
-
-  # Static structure.
-
-  def stage_function(self, stage: int):
-    """f(params, acts_block, batch_rows) -> (outputs block, loss)."""
-    s = self.layout.stages[stage]
-    program = self.programs[s.chunk]
-    edges = self.layout.edges
-    in_offsets = self.layout.in_offsets(stage)
-
-    def f(params: dict, acts_block, batch: dict):
-      env = dict(self.consts)
-      env.update(params)
-      env.update(batch)
-      for e in s.in_edges:
-        edge = edges[e]
-        start = in_offsets[e]
-        width = edge.width
-        matrix = lax.dynamic_slice_in_dim(acts_block, start, s.chunk * width)
-        matrix = matrix.reshape(s.chunk, width)
-        col = 0
-        for v in edge.values:
-          env[v.key] = packing.from_rows(
-            matrix[:, col : col + v.width], v, s.chunk
-          )
-          col += v.width
-      for n in s.nodes:
-        node = program.nodes[n]
-        outs = node(*[env[k] for k in node.inputs])
-        env.update(zip(node.outputs, outs, strict=True))
-      blocks = []
-      for e in s.out_edges:
-        rows = [
-          packing.to_rows(env[v.key], v, s.chunk) for v in edges[e].values
-        ]
-        if edges[e].token:
-          rows = [jnp.zeros((s.chunk, 1), jnp.float32)]
-        blocks.append(jnp.concatenate(rows, axis=1).reshape(-1))
-      out = jnp.concatenate(blocks) if blocks else jnp.zeros((0,), jnp.float32)
-      loss = sum(
-        (env[k].astype(jnp.float32) for k in s.loss_keys),
-        jnp.zeros((), jnp.float32),
-      )
-      return out, loss
-
-    return f
 
   def _make_tables(self):
     lay = self.layout
@@ -245,64 +142,6 @@ class StepBuilder:
       [(k, math.prod(shapes[k][0])) for k in getattr(s, kind)]
       for s in self.layout.stages
     ]
-
-  # Residuals (when not recomputing).
-
-  def _abstract_inputs(self, stage):
-    lay = self.layout
-    s = lay.stages[stage]
-    params = {
-      k: jax.ShapeDtypeStruct(*lay.param_shapes[k]) for k in s.params + s.state
-    }
-    acts = jax.ShapeDtypeStruct((max(1, lay.in_size(stage)),), jnp.float32)
-    program = self.programs[s.chunk]
-    batch_avals = {}
-    for node in program.nodes:
-      for k, a in zip(node.inputs, node.input_avals(), strict=True):
-        if k.startswith("batch:"):
-          batch_avals[k] = jax.ShapeDtypeStruct(a.shape, a.dtype)
-    batch = {k: batch_avals[k] for k in s.batch}
-    return params, acts, batch
-
-  def _vjp_parts(self, stage, params, acts, batch):
-    """(outputs, loss), residual leaves, their treedef, param positions."""
-    s = self.layout.stages[stage]
-    f = self.stage_function(stage)
-    trainable = {k: params[k] for k in s.params}
-    frozen = {k: params[k] for k in s.state}
-
-    # Residuals are the outputs of matrix products (and the stage's
-    # inputs); the backward recomputes the elementwise work between them.
-    # The VJP's own residuals were several times as many bytes (every
-    # intermediate of every elementwise op), and writing and reading them
-    # through the stash cost more than recomputing them: plain XLA keeps
-    # about this much, by fusing that elementwise work into the backward.
-    diff = jax.checkpoint(
-      lambda p, a: f({**p, **frozen}, a, batch), policy=_save_products
-    )
-    outs, vjp = jax.vjp(diff, trainable, acts)
-    leaves, treedef = jax.tree.flatten(vjp)
-    param_ids = {id(v): k for k, v in trainable.items()}
-    keep = [i for i, x in enumerate(leaves) if id(x) not in param_ids]
-    sources = {
-      i: param_ids[id(x)] for i, x in enumerate(leaves) if id(x) in param_ids
-    }
-    return outs, leaves, treedef, keep, sources
-
-  def _residual_size(self, stage):
-    params, acts, batch = self._abstract_inputs(stage)
-    info = {}
-
-    def probe(params, acts, batch):
-      _, leaves, _, keep, _ = self._vjp_parts(stage, params, acts, batch)
-      info["avals"] = [
-        jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in keep
-      ]
-      return 0
-
-    jax.eval_shape(probe, params, acts, batch)
-    self._residual_avals[stage] = info["avals"]
-    return sum(math.prod(a.shape) for a in info["avals"])
 
   # The per-device branches.
 
