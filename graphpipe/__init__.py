@@ -44,6 +44,7 @@ from graphpipe.planning.search import (
 )
 from graphpipe.planning.validate import check_plan
 from graphpipe.runtime import Trainer, TrainState
+from graphpipe.runtime.memory import memory_report
 from graphpipe.schedules.builders import schedule_for
 from graphpipe.schedules.checker import check_schedule
 from graphpipe.schedules.grid import Action, Schedule
@@ -80,6 +81,7 @@ __all__ = [
   "capture",
   "check_plan",
   "check_schedule",
+  "memory_report",
   "plan",
   "plan_and_simulate",
   "schedule_for",

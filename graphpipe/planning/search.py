@@ -35,7 +35,12 @@ from collections.abc import Callable, Sequence
 from graphpipe.core.cost_model import CostModel
 from graphpipe.core.fingerprint import graph_fingerprint
 from graphpipe.core.graph import OpGraph
-from graphpipe.core.memory import stage_memory_bytes
+from graphpipe.core.memory import (
+  KINDS,
+  MODEL_KINDS,
+  over_budget_message,
+  plan_memory,
+)
 from graphpipe.core.stages import Plan
 from graphpipe.costs import (
   AnalyticCostModel,
@@ -51,7 +56,11 @@ from graphpipe.planning.graphpipe_dp import GraphPipePartitioner
 from graphpipe.planning.micro_batches import grow_micro_batches
 from graphpipe.planning.piper import PIPER_BUDGET, PiperPartitioner
 from graphpipe.planning.refine import refine
-from graphpipe.planning.stage_costs import StageCosts, estimate_iteration_time
+from graphpipe.planning.stage_costs import (
+  NodeTimes,
+  StageCosts,
+  estimate_iteration_time,
+)
 from graphpipe.schedules.builders import schedule_for
 from graphpipe.schedules.grid import Schedule
 from graphpipe.simulator.engine import Report, simulate
@@ -68,6 +77,9 @@ PLANNERS = ("graphpipe", "sequential", "gpipe", "piper")
 # and in plans.
 _SIMULATED_ACTIONS = 20_000
 _SIMULATED_PLANS = 32
+# A plan this much slower (simulated) than the fastest may still win when
+# its devices hold less padding.
+PADDING_TOLERANCE = 0.05
 # Local search starts from the best plan of this many micro-batch sizes.
 _REFINED = 3
 
@@ -83,6 +95,7 @@ def plan(
   micro_batch_sizes: Sequence[int] | None = None,
   per_stage_micro_batches: bool = False,
   piper_budget: int = PIPER_BUDGET,
+  memory_kinds: Sequence[str] = KINDS,
 ) -> Plan:
   """A stage graph for `graph` on `num_devices` devices.
 
@@ -125,6 +138,9 @@ def plan(
       plans; `graphpipe.Trainer` does not run them yet.
     piper_budget: stages Piper may price before it gives up (its search
       is exponential in the number of parallel branches).
+    memory_kinds: the kinds of `graphpipe.core.memory.KINDS` that
+      `memory_bytes` bounds (default all: what the runtime's step holds on
+      each device, `graphpipe.core.memory.plan_memory`).
 
   Raises:
     PlanError: no plan fits (the message names the smallest per-device
@@ -151,6 +167,7 @@ def plan(
     sizes,
     per_stage=per_stage,
     piper_budget=piper_budget,
+    memory_kinds=memory_kinds,
   )
   if best is None:
     raise _no_plan_error(
@@ -215,12 +232,13 @@ def _search(
   sizes,
   per_stage: bool = False,
   piper_budget: int = PIPER_BUDGET,
+  memory_kinds: Sequence[str] = KINDS,
 ) -> Plan | None:
   """The fastest candidate plan (see the module docstring), or None."""
   costs = StageCosts(graph, cost_model, batch_size, num_devices, memory_bytes)
   partition = _partitioner(graph, planner, costs, piper_budget)
   fingerprint = graph_fingerprint(graph)
-  timing = _NodeTimes(cost_model)
+  timing = NodeTimes(cost_model)
   candidates: dict[Partition, tuple | None] = {}
 
   def evaluate(part: Partition) -> tuple | None:
@@ -233,6 +251,11 @@ def _search(
         for s in p.stages
       )
       candidates[part] = None
+      # Every device holds what the largest stage needs (SPMD): the
+      # runtime's per-device figure, not each stage's own, must fit.
+      fits = fits and (
+        plan_memory(graph, p).largest_of(memory_kinds) <= costs.memory_bytes
+      )
       if fits:
         estimate = estimate_iteration_time(p, graph, timing)
         candidates[part] = (
@@ -300,9 +323,15 @@ def _search(
   # (rarely a little over): simulate the schedule each plan will run, best
   # estimate first, until the next estimate is no better than the fastest
   # simulated plan (or the simulation budget is spent).
-  best, budget, timed = None, _SIMULATED_ACTIONS, set()
+  # Plans within PADDING_TOLERANCE of the fastest are simulated too: of
+  # those, the one whose devices hold the least padding wins (every device
+  # holds slots the size of the largest stage's parameters).
+  best, budget, timed, close = None, _SIMULATED_ACTIONS, set(), []
   for c in found:
-    if best is not None and (c[0] >= best[0] or len(timed) == _SIMULATED_PLANS):
+    if best is not None and (
+      c[0] >= best[0] * (1 + PADDING_TOLERANCE)
+      or len(timed) == _SIMULATED_PLANS
+    ):
       break
     # Plans the estimate cannot tell apart (mirror images: the same stages
     # on other branches or devices) are simulated once.
@@ -313,33 +342,18 @@ def _search(
     timed.add(twin)
     budget -= actions
     seconds = simulate(c[3], graph, cost_model).iteration_time_s
+    close.append((seconds, *c[1:]))
     if best is None or (seconds, *c[1:3]) < best[:3]:
       best = (seconds, *c[1:])
-  return best[3]
+  return min(
+    (c for c in close if c[0] <= best[0] * (1 + PADDING_TOLERANCE)),
+    key=lambda c: (_padding(graph, c[3]), c[:3]),
+  )[3]
 
 
-class _NodeTimes:
-  """A cost model whose node times are memoised (one search, one graph)."""
-
-  def __init__(self, cost_model: CostModel):
-    self.model = cost_model
-    self.memory_bytes = cost_model.memory_bytes
-    self._times: dict[tuple, float] = {}
-
-  def node_time(self, node, batch, kind) -> float:
-    key = (node.id, batch, kind)
-    if key not in self._times:
-      self._times[key] = self.model.node_time(node, batch, kind)
-    return self._times[key]
-
-  def transfer_time(self, num_bytes, src, dst) -> float:
-    return self.model.transfer_time(num_bytes, src, dst)
-
-  def allreduce_time(self, num_bytes, devices) -> float:
-    return self.model.allreduce_time(num_bytes, devices)
-
-  def optimizer_time(self, param_bytes) -> float:
-    return self.model.optimizer_time(param_bytes)
+def _padding(graph: OpGraph, p: Plan) -> float:
+  """Padding fraction, to 0.01 (closer plans are ranked by time)."""
+  return round(plan_memory(graph, p).padding_fraction, 2)
 
 
 def _no_plan_error(
@@ -377,20 +391,15 @@ def _no_plan_error(
     f"{memory_bytes / gib:.3g} GiB per device on {num_devices} devices "
     f"(batch {batch_size}, micro-batches {sizes}): the smallest per-device "
     f"memory that fits is about {high / gib:.3g} GiB; raise memory_bytes "
-    f"or pick a device with more memory{hint}"
+    f"or pick a device with more memory{hint}. Without a limit, "
+    + over_budget_message(
+      graph, unlimited, plan_memory(graph, unlimited), memory_bytes
+    )
   )
 
 
 def _peak_memory(p: Plan, graph: OpGraph) -> float:
-  return max(
-    stage_memory_bytes(
-      graph,
-      s.nodes,
-      StageCosts.share(s.micro_batch_size, len(s.devices)),
-      s.in_flight,
-    )
-    for s in p.stages
-  )
+  return plan_memory(graph, p).largest
 
 
 def tightest_plan(
@@ -405,7 +414,10 @@ def tightest_plan(
 
   Small models fit one device, so a planner happily replicates them; under
   the tightest memory budget it must cut them into as many stages as a real
-  model of their shape would need. Experiments and tests use this to run
+  model of their shape would need. The budget bounds the kinds of memory
+  that grow with a model (`graphpipe.core.memory.MODEL_KINDS`): the step's
+  fixed bookkeeping (tick tables, channels, the batch) dominates a tiny
+  model and says nothing about its shape. Experiments and tests use this to run
   real pipelines on tiny models. Binary search over the budget (feasibility
   grows with memory).
 
@@ -423,7 +435,7 @@ def tightest_plan(
     steps: bisection steps.
   """
   best = plan(graph, num_devices, batch_size, planner=planner, device=device)
-  low, high = 1.0, 8.0 * graph.totals()["param_bytes"] + 1e6
+  low, high = 1.0, float(plan_memory(graph, best).largest_of(MODEL_KINDS))
   for _ in range(steps):
     middle = (low + high) / 2
     try:
@@ -434,6 +446,7 @@ def tightest_plan(
         planner=planner,
         device=device,
         memory_bytes=middle,
+        memory_kinds=MODEL_KINDS,
       )
       high = middle
     except PlanError:

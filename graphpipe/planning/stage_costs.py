@@ -375,3 +375,27 @@ def estimate_iteration_time(
         sync += cost_model.allreduce_time(params, stages[s].devices)
     end = max(end, backward_end[s] + sync)
   return end
+
+
+class NodeTimes:
+  """A cost model whose node times are memoised (one search, one graph)."""
+
+  def __init__(self, cost_model: CostModel):
+    self.model = cost_model
+    self.memory_bytes = cost_model.memory_bytes
+    self._times: dict[tuple, float] = {}
+
+  def node_time(self, node, batch, kind) -> float:
+    key = (node.id, batch, kind)
+    if key not in self._times:
+      self._times[key] = self.model.node_time(node, batch, kind)
+    return self._times[key]
+
+  def transfer_time(self, num_bytes, src, dst) -> float:
+    return self.model.transfer_time(num_bytes, src, dst)
+
+  def allreduce_time(self, num_bytes, devices) -> float:
+    return self.model.allreduce_time(num_bytes, devices)
+
+  def optimizer_time(self, param_bytes) -> float:
+    return self.model.optimizer_time(param_bytes)

@@ -7,10 +7,9 @@ the schedule, the simulator and the runtime rely on.
 from __future__ import annotations
 
 from graphpipe.core.graph import OpGraph
-from graphpipe.core.memory import stage_memory_bytes
+from graphpipe.core.memory import plan_memory
 from graphpipe.core.stages import Plan, in_flight_counts
 from graphpipe.errors import PlanError
-from graphpipe.planning.stage_costs import StageCosts
 
 
 def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
@@ -21,7 +20,8 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
   count divides its micro-batch, and its micro-batch is a multiple of each
   predecessor's; stage edges cover every operator edge across stages and
   go forward; in-flight counts follow the schedule; every device's memory
-  (`stage_memory_bytes`) fits `memory_bytes`.
+  (`graphpipe.core.memory.plan_memory`: what the runtime's SPMD step holds
+  on each device) fits `memory_bytes`.
 
   Example:
     >>> graph = capture_zoo("two_branch", "paper")
@@ -79,14 +79,11 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
       expected = in_flight_counts(p.num_stages, p.stage_edges, sizes)
     if [s.in_flight for s in p.stages] != expected:
       problems.append(f"in-flight counts are not {expected}")
-    for s in p.stages:
-      share = StageCosts.share(s.micro_batch_size, len(s.devices))
-      need = stage_memory_bytes(graph, s.nodes, share, s.in_flight)
-      if need > memory_bytes:
-        problems.append(
-          f"stage {s.id} needs {need / 2**30:.3g} GiB per device, over "
-          f"{memory_bytes / 2**30:.3g} GiB"
-        )
+    memory = plan_memory(graph, p)
+    if memory.largest > memory_bytes:
+      problems.append(
+        f"{memory.describe()}, over {memory_bytes / 2**30:.3g} GiB"
+      )
   if problems:
     raise PlanError("invalid plan: " + "; ".join(problems[:5]))
 

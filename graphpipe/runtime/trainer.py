@@ -19,6 +19,7 @@ from graphpipe.core.stages import Plan
 from graphpipe.errors import PipelineRuntimeError
 from graphpipe.runtime import slots
 from graphpipe.runtime.layout import build_layout
+from graphpipe.runtime.memory import runtime_report
 from graphpipe.runtime.step import AXIS, StepBuilder
 from graphpipe.schedules.builders import schedule_for
 from graphpipe.schedules.checker import check_schedule
@@ -312,35 +313,52 @@ class Trainer:
     batch = self._device_batch(batch)
     return self._step.lower(state, batch).compile()
 
-  def memory_report(self, state: TrainState, batch) -> dict:
-    """Per-device bytes: parameters (own, padded) and the compiled peak."""
-    lay, buf = self.layout, self.buffers
+  def memory_report(self, state: TrainState | None = None, batch=None) -> dict:
+    """Per-device bytes by kind, predicted before anything is allocated.
+
+    The prediction (`graphpipe.runtime.memory.runtime_report` of this
+    trainer's own layout and buffers): 'memory_per_device' by kind,
+    'total_bytes_per_device', own and held parameter and optimizer bytes,
+    'padding_fraction'. Given a state and a batch, also the compiled
+    step's figure ('compiled_bytes': arguments + outputs + temporaries -
+    aliased, per device) and its compile time.
+    """
+    report = runtime_report(
+      self.layout,
+      self.buffers,
+      self.graph,
+      self.optimizer,
+      self.builder.tables,
+    ).to_dict()
+    report["param_bytes_own"] = [
+      4 * self.layout.param_size(self.layout.stage_of_device()[d])
+      if d in self.layout.stage_of_device()
+      else 0
+      for d in range(self.layout.num_devices)
+    ]
+    report["param_bytes_held"] = [
+      4 * self.buffers.params.total()
+    ] * self.layout.num_devices
+    report["stash_bytes"] = self.buffers.stash_bytes()
+    if state is None or batch is None:
+      return report
     start = time.perf_counter()
     compiled = self.compiled(state, batch)
-    compile_s = time.perf_counter() - start
+    report["compile_time_s"] = time.perf_counter() - start
     mem = compiled.memory_analysis()
-    own = np.zeros(lay.num_devices)
-    for s in lay.stages:
-      for d in s.devices:
-        own[d] = 4 * lay.param_size(s.id)
-    held = 4 * buf.params.total()
-    peak = None
+    report["compiled_bytes"] = None
+    report["peak_memory_bytes"] = None
     if mem is not None:
-      peak = int(
-        getattr(mem, "peak_memory_in_bytes", 0)
-        or mem.argument_size_in_bytes
+      report["compiled_bytes"] = int(
+        mem.argument_size_in_bytes
         + mem.output_size_in_bytes
         + mem.temp_size_in_bytes
         - mem.alias_size_in_bytes
       )
-    return {
-      "compile_time_s": compile_s,
-      "param_bytes_own": own.tolist(),
-      "param_bytes_held": [held] * lay.num_devices,
-      "param_padding_bytes": [held - o for o in own.tolist()],
-      "stash_bytes": buf.stash_bytes(),
-      "peak_memory_bytes": peak,
-    }
+      report["peak_memory_bytes"] = int(
+        getattr(mem, "peak_memory_in_bytes", 0) or report["compiled_bytes"]
+      )
+    return report
 
   # Helpers.
 

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 from graphpipe.core.cost_model import CostModel
 from graphpipe.core.graph import OpGraph
-from graphpipe.core.memory import stage_memory_bytes
+from graphpipe.core.memory import plan_memory
 from graphpipe.core.stages import Plan
 from graphpipe.costs.analytic import AnalyticCostModel, device_spec
 from graphpipe.errors import SimulationError
@@ -75,9 +75,10 @@ class Report:
     iteration_time_s: time from the first action to the last optimizer
       step.
     throughput_samples_per_s: batch_size / iteration_time_s.
-    peak_memory_bytes: per device (0 for devices no stage uses): weights,
-      gradients, optimizer state, non-trainable state and the stashed
-      activations at the observed peak (the plan's memory rule).
+    peak_memory_bytes: per device, what the runtime's step holds there
+      (`graphpipe.core.memory.plan_memory`, the planner's rule): parameter
+      and optimizer slots the size of the largest stage's, gradients,
+      non-trainable state, stashes, channels, the batch, working memory.
     memory_capacity_bytes: one device's memory under the cost model.
     peak_stash: per stage, the most micro-batches stashed at once.
     busy_time_s: per device, time spent computing, all-reducing and
@@ -337,14 +338,12 @@ def simulate(
   capacity = len(used) * iteration_time
   bubble = 1.0 - sum(busy[d] for d in used) / capacity if capacity else 0.0
   peak_stash = tuple(_peak_stash(schedule, s) for s in range(num_stages))
-  memory = [0.0] * plan.num_devices
+  # The planner's and the runtime's rule: what the SPMD step holds on
+  # every device (`graphpipe.core.memory.plan_memory`).
+  memory = list(plan_memory(graph, plan).totals)
   device_stages: list[int | None] = [None] * plan.num_devices
   for stage in plan.stages:
-    peak = stage_memory_bytes(
-      graph, stage.nodes, share[stage.id], peak_stash[stage.id]
-    )
     for device in stage.devices:
-      memory[device] = peak
       device_stages[device] = stage.id
   return Report(
     planner=plan.planner,
