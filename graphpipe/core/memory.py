@@ -236,7 +236,7 @@ class MemoryReport:
     parts = ", ".join(
       f"{k} {_gib(v)}"
       for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
-      if v
+      if v >= 2**20 or v >= self.totals[device] / 100
     )
     stage = self.stages[device]
     where = f" (stage {stage})" if stage >= 0 else ""

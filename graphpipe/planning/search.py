@@ -77,9 +77,11 @@ PLANNERS = ("graphpipe", "sequential", "gpipe", "piper")
 # and in plans.
 _SIMULATED_ACTIONS = 20_000
 _SIMULATED_PLANS = 32
-# A plan this much slower (simulated) than the fastest may still win when
-# its devices hold less padding.
+# A plan this much slower than the fastest may win with less padding ...
 PADDING_TOLERANCE = 0.05
+# ... when the fastest plan's devices hold at least this much padding each,
+# on average (a tiny model's padding is not worth any time).
+PADDING_MIN_BYTES = 2**20
 # Local search starts from the best plan of this many micro-batch sizes.
 _REFINED = 3
 
@@ -115,7 +117,7 @@ def plan(
       stage 7: nodes [3, 8] on devices [7], b=1, in flight 1
       edges: [(0, 1), (1, 2), (2, 7), (3, 4), (4, 5), (5, 6), (6, 7)]
     >>> p.depth, plan(graph, 8, 8, planner="sequential").depth
-    (5, 8)
+    (5, 2)
 
   Args:
     graph: the operator graph (captured or loaded from JSON).
@@ -345,15 +347,14 @@ def _search(
     close.append((seconds, *c[1:]))
     if best is None or (seconds, *c[1:3]) < best[:3]:
       best = (seconds, *c[1:])
+  memory = plan_memory(graph, best[3])
+  if sum(memory.padding_bytes) < PADDING_MIN_BYTES * best[3].num_devices:
+    return best[3]
+  # Padding to 0.01; plans closer than that are ranked by time.
   return min(
     (c for c in close if c[0] <= best[0] * (1 + PADDING_TOLERANCE)),
-    key=lambda c: (_padding(graph, c[3]), c[:3]),
+    key=lambda c: (round(plan_memory(graph, c[3]).padding_fraction, 2), c[:3]),
   )[3]
-
-
-def _padding(graph: OpGraph, p: Plan) -> float:
-  """Padding fraction, to 0.01 (closer plans are ranked by time)."""
-  return round(plan_memory(graph, p).padding_fraction, 2)
 
 
 def _no_plan_error(

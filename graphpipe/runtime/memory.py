@@ -12,9 +12,9 @@ Example:
   >>> p = graphpipe.plan(graph, num_devices=2, batch_size=8)
   >>> report = graphpipe.memory_report(p, graph, optax.adam(1e-3))
   >>> kinds = report.per_device[0]
-  >>> [k for k in kinds]
+  >>> print(list(kinds))
   ['parameters', 'gradients', 'optimizer', 'state', 'stashes', 'channels',
-   'batch', 'work']
+   'batch', 'work', 'tables']
   >>> kinds["optimizer"] // kinds["parameters"]   # Adam: two moments
   2
 """

@@ -54,9 +54,10 @@ class Trainer:
   `jax.value_and_grad` of the unpipelined loss.
 
   Example:
-    >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
-    ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)),
-    ...                        nnx.Linear(8, 1, rngs=nnx.Rngs(2)))
+    >>> model = nnx.Sequential(nnx.Linear(4, 128, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(128, 128, rngs=nnx.Rngs(1)),
+    ...                        nnx.Linear(128, 128, rngs=nnx.Rngs(2)),
+    ...                        nnx.Linear(128, 1, rngs=nnx.Rngs(3)))
     >>> loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
     >>> batch = {"x": jnp.ones((16, 4)), "y": jnp.zeros((16, 1))}
     >>> graph = graphpipe.capture(loss_fn, model, batch)
@@ -68,8 +69,8 @@ class Trainer:
     >>> print(plan)
     Plan[graphpipe] 2 stages, depth 2, b=1 x 16 micro-batches, 2 devices,
     schedule 1f1b
-      stage 0: nodes [0] on devices [0], b=1, in flight 2
-      stage 1: nodes [1, 2] on devices [1], b=1, in flight 1
+      stage 0: nodes [0, 1] on devices [0], b=1, in flight 2
+      stage 1: nodes [2, 3] on devices [1], b=1, in flight 1
       edges: [(0, 1)]
     >>> trainer = graphpipe.Trainer(plan, optax.sgd(0.01), graph=graph)
     >>> state = trainer.init(model)
