@@ -255,6 +255,7 @@ def plan_holdings(
   plan: Plan,
   optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS,
   recompute: bool = False,
+  in_flight: Sequence[int] | None = None,
 ) -> Holdings:
   """What every device of `plan`'s step will hold, from `graph`'s figures.
 
@@ -266,7 +267,8 @@ def plan_holdings(
   residuals (the runtime keeps only matrix products' outputs and the
   stage inputs), and values crossing stages count once per operator edge.
   Parameters and transferred values are counted as float32, as the runtime
-  stores them.
+  stores them. `in_flight`: per stage, micro-batches stashed at once
+  (default the plan's counts; the simulator passes what it observed).
   """
   owner = plan.stage_of_node()
   nodes = graph.nodes
@@ -304,7 +306,7 @@ def plan_holdings(
         "work": work_bytes(graph, s.nodes, chunk),
       }
     )
-  most = max(s.in_flight for s in plan.stages)
+  most = max(in_flight or [s.in_flight for s in plan.stages])
   transfer = max(
     [1]
     + [
@@ -387,10 +389,12 @@ def plan_memory(
   plan: Plan,
   optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS,
   recompute: bool = False,
+  in_flight: Sequence[int] | None = None,
 ) -> MemoryReport:
   """The planner's per-device memory of `plan` (`plan_holdings`)."""
   return MemoryReport.from_holdings(
-    plan_holdings(graph, plan, optimizer_slots, recompute), "planner"
+    plan_holdings(graph, plan, optimizer_slots, recompute, in_flight),
+    "planner",
   )
 
 

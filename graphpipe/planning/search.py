@@ -329,10 +329,10 @@ def _search(
   # those, the one whose devices hold the least padding wins (every device
   # holds slots the size of the largest stage's parameters).
   best, budget, timed, close = None, _SIMULATED_ACTIONS, set(), []
+  slack = 1.0  # 1 + PADDING_TOLERANCE once the fastest plan pads much
   for c in found:
     if best is not None and (
-      c[0] >= best[0] * (1 + PADDING_TOLERANCE)
-      or len(timed) == _SIMULATED_PLANS
+      c[0] >= best[0] * slack or len(timed) == _SIMULATED_PLANS
     ):
       break
     # Plans the estimate cannot tell apart (mirror images: the same stages
@@ -347,12 +347,13 @@ def _search(
     close.append((seconds, *c[1:]))
     if best is None or (seconds, *c[1:3]) < best[:3]:
       best = (seconds, *c[1:])
-  memory = plan_memory(graph, best[3])
-  if sum(memory.padding_bytes) < PADDING_MIN_BYTES * best[3].num_devices:
+      padding = sum(plan_memory(graph, c[3]).padding_bytes)
+      heavy = padding >= PADDING_MIN_BYTES * c[3].num_devices
+      slack = 1 + PADDING_TOLERANCE if heavy else 1.0
+  if slack == 1.0:  # else padding to 0.01, then time
     return best[3]
-  # Padding to 0.01; plans closer than that are ranked by time.
   return min(
-    (c for c in close if c[0] <= best[0] * (1 + PADDING_TOLERANCE)),
+    (c for c in close if c[0] <= best[0] * slack),
     key=lambda c: (round(plan_memory(graph, c[3]).padding_fraction, 2), c[:3]),
   )[3]
 

@@ -340,7 +340,7 @@ def simulate(
   peak_stash = tuple(_peak_stash(schedule, s) for s in range(num_stages))
   # The planner's and the runtime's rule: what the SPMD step holds on
   # every device (`graphpipe.core.memory.plan_memory`).
-  memory = list(plan_memory(graph, plan).totals)
+  memory = list(plan_memory(graph, plan, in_flight=peak_stash).totals)
   device_stages: list[int | None] = [None] * plan.num_devices
   for stage in plan.stages:
     for device in stage.devices:

@@ -1,4 +1,4 @@
-"""One memory rule: the planner's bound, the runtime's report, the compiled step.
+"""One memory rule: planner's bound, runtime's report, compiled step.
 
 The runtime's report (`graphpipe.memory_report`, from its own layout) must
 never be below what the compiled step uses and within 10% (or 1 MiB) of
