@@ -79,8 +79,7 @@ _SIMULATED_ACTIONS = 20_000
 _SIMULATED_PLANS = 32
 # A plan this much slower than the fastest may win with less padding ...
 PADDING_TOLERANCE = 0.05
-# ... when the fastest plan's devices hold at least this much padding each,
-# on average (a tiny model's padding is not worth any time).
+# ... when its devices hold this much padding each on average (not tiny).
 PADDING_MIN_BYTES = 2**20
 # Local search starts from the best plan of this many micro-batch sizes.
 _REFINED = 3
