@@ -72,7 +72,7 @@ class Trainer:
       stage 0: nodes [0, 1] on devices [0], b=1, in flight 2
       stage 1: nodes [2, 3] on devices [1], b=1, in flight 1
       edges: [(0, 1)]
-    >>> trainer = graphpipe.Trainer(plan, optax.sgd(0.01), graph=graph)
+    >>> trainer = graphpipe.Trainer(plan, optax.sgd(1e-3), graph=graph)
     >>> state = trainer.init(model)
     >>> loss_before = float(loss_fn(model, batch))
     >>> state, metrics = trainer.step(state, batch)
