@@ -36,8 +36,9 @@ class StageCosts:
   busier direction of its boundary traffic (transfers overlap compute), the
   all-reduce that of its parameter bytes over its k devices, and the
   optimizer Adam's update. Divided by B that is the stage's time per sample;
-  the bottleneck stage's bounds the pipeline's throughput. Memory follows
-  `graphpipe.plan.stage_memory_bytes`, the rule the simulator also uses.
+  the bottleneck stage's bounds the pipeline's throughput. Memory here is
+  each stage's own (`graphpipe.core.memory.stage_memory_bytes`); whole
+  plans must also fit the per-device rule (`plan_memory`).
 
   Transfers are priced on the slowest link the plan may use (between nodes
   once it spans nodes) and all-reduces on devices 0..k-1, since device
