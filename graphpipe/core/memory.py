@@ -82,19 +82,23 @@ def stage_memory_bytes(
   in_flight: int,
   optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS,
 ) -> float:
-  """Peak bytes one device of a stage holds for itself (no SPMD padding).
+  """Bytes a stage alone makes every device hold (`device_bytes`' kinds).
 
-  Weights, gradients and optimizer slots of the stage's parameters (each a
-  copy of the parameter bytes), its non-trainable state, and the saved
-  activations of `in_flight` micro-batches of `micro_batch_per_device`
-  samples. Every device of a data-parallel stage holds a full replica.
+  Its parameters (slots at least that large on every device), their
+  gradients (accumulator and result), optimizer slots and the work term
+  (parameter gradients and their slots: 2 x parameters, plus the largest
+  action's transient), its non-trainable state, and the saved activations
+  of `in_flight` micro-batches of `micro_batch_per_device` samples. A lower
+  bound of `plan_memory` for any plan with this stage, so the DPs prune
+  with it.
   """
   params = sum(graph.nodes[i].param_bytes for i in nodes)
   state = sum(graph.nodes[i].state_bytes for i in nodes)
   saved = sum(
     graph.nodes[i].cost("saved_bytes", micro_batch_per_device) for i in nodes
   )
-  return params * (2 + optimizer_slots) + state + saved * in_flight
+  work = work_bytes(graph, nodes, micro_batch_per_device)
+  return params * (5 + optimizer_slots) + work + state + saved * in_flight
 
 
 @dataclasses.dataclass(frozen=True)
