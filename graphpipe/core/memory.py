@@ -47,16 +47,10 @@ KINDS = (
   "work",
   "tables",
 )
-# The kinds that grow with the model and the batch (not the step's fixed
-# bookkeeping): what `graphpipe.tightest_plan` squeezes.
-MODEL_KINDS = (
-  "parameters",
-  "gradients",
-  "optimizer",
-  "state",
-  "stashes",
-  "work",
-)
+# The kinds that grow with the model's weights: what `graphpipe.tightest_plan`
+# squeezes (a tiny model's stashes and bookkeeping say little about a
+# real model of its shape, whose weights force it onto more devices).
+MODEL_KINDS = ("parameters", "gradients", "optimizer", "state")
 
 _ITEMSIZE = {
   "float64": 8,
