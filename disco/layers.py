@@ -236,6 +236,9 @@ class DiscoConv(DiscoLayer):
     >>> conv = DiscoConv(8, 16, 3, num_nodes=2, strides=2, rngs=nnx.Rngs(0))
     >>> conv(jnp.ones((1, 8, 8, 8))).shape
     (1, 4, 4, 16)
+    >>> atrous = DiscoConv(8, 8, 3, num_nodes=2, dilation=2, rngs=nnx.Rngs(0))
+    >>> atrous(jnp.ones((1, 8, 8, 8))).shape
+    (1, 8, 8, 8)
 
   Args:
     in_features: input channels (last axis).
@@ -243,6 +246,8 @@ class DiscoConv(DiscoLayer):
     kernel_size: an int or (height, width).
     strides: an int or (height, width).
     padding: "SAME" or "VALID".
+    dilation: an int or (height, width): the kernel's dilation (atrous
+      convolution; 1 = none).
     **kwargs: the splits, mask and initializers of `DiscoLayer`.
   """
 
@@ -254,12 +259,14 @@ class DiscoConv(DiscoLayer):
     *,
     strides=1,
     padding: str = "SAME",
+    dilation=1,
     **kwargs,
   ):
     kernel_size = _pair(kernel_size)
     super().__init__(in_features, out_features, kernel_size, **kwargs)
     self.strides = _pair(strides)
     self.padding = padding
+    self.dilation = _pair(dilation)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     y = jax.lax.conv_general_dilated(
@@ -267,6 +274,7 @@ class DiscoConv(DiscoLayer):
       self.masked_kernel(),
       window_strides=self.strides,
       padding=self.padding,
+      rhs_dilation=self.dilation,
       dimension_numbers=("NHWC", "HWIO", "NHWC"),
     )
     y = self._add_bias(y)

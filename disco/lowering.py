@@ -47,6 +47,7 @@ from disco.exchange import (
   ConvSpec,
   Exchange,
   NormSpec,
+  concat,
   conv,
   dense,
   exchange,
@@ -241,7 +242,8 @@ class NodeOps:
     if not module.replicated_input:
       x = self._input(x, self._plans[_path(self._names, module.mask)])
     if isinstance(module, DiscoConv):
-      return conv(x, weights, ConvSpec(module.strides, module.padding))
+      spec = ConvSpec(module.strides, module.padding, module.dilation)
+      return conv(x, weights, spec)
     return dense(x, weights)
 
   def param(self, variable: nnx.Variable) -> jax.Array:
@@ -251,6 +253,10 @@ class NodeOps:
   def output(self, layer: nnx.Module, x: jax.Array) -> jax.Array:
     """Every node's outputs of `layer`, complete on node 0."""
     return gather_logits(self.layer(layer, x), layer.out_split)
+
+  def concat(self, tensors, splits) -> jax.Array:
+    """The node's blocks of `tensors`, one after another (no exchange)."""
+    return concat(tensors, splits)
 
   def _weights(self, owner):
     name = _path(self._names, owner)
