@@ -62,7 +62,8 @@ if __name__ == "__main__":
 SCHEDULES = ("1f1b", "gpipe")
 
 
-def _define_flags():
+def define_flags():
+  """This experiment's flags (`experiments.gpu_check` reuses them)."""
   common.define_flags()
   flags.DEFINE_list("mlp_widths", ["512", "1024"], "Widths of the tanh MLP.")
   flags.DEFINE_list("mlp_batch_sizes", ["256", "512"], "MLP batch sizes.")
@@ -388,5 +389,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _define_flags()
+  define_flags()
   app.run(main)
