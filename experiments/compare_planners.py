@@ -5,8 +5,9 @@
     --devices=4,8,16,32 --device=v100 --out=/tmp/compare
 
 Captures each model once, then for every device count plans it with each
-planner (graphpipe, sequential, gpipe), schedules and simulates the plan
-under the device preset's analytic cost model. Writes DIR/results.json (one
+planner (graphpipe, sequential, gpipe; add piper with --planners),
+schedules and simulates the plan under the device preset's analytic cost
+model. Writes DIR/results.json (one
 row per model x devices x planner with throughput, depth, micro-batch,
 memory, bubble; per model x devices the graphpipe / sequential and
 graphpipe / best-baseline throughput ratios; config and environment) and,
@@ -26,7 +27,10 @@ from graphpipe import PLANNERS, models, plan_and_simulate
 from graphpipe.costs import device_spec
 from graphpipe.errors import GraphpipeError
 
-BASELINES = ("sequential", "gpipe")
+BASELINES = ("sequential", "gpipe", "piper")
+# Piper's search is exponential in the branches (it gives up on DLRM and
+# CANDLE-Uno after its budget): run it with --planners=...,piper.
+DEFAULT_PLANNERS = ("graphpipe", "sequential", "gpipe")
 
 
 def compare(
@@ -190,7 +194,11 @@ def define_flags() -> None:
     "Zoo models.",
   )
   flags.DEFINE_list("devices", ["4", "8", "16", "32"], "Device counts.")
-  flags.DEFINE_list("planners", list(PLANNERS), "Planners to compare.")
+  flags.DEFINE_list(
+    "planners",
+    list(DEFAULT_PLANNERS),
+    f"Planners to compare, of {', '.join(PLANNERS)}.",
+  )
   flags.DEFINE_string(
     "device", "v100", "Device preset: v100, a100, h100, h200, cpu."
   )

@@ -151,7 +151,9 @@ def define_flags() -> None:
     None,
     "Samples per iteration; default: the zoo default x max(N, 4) / 4.",
   )
-  flags.DEFINE_string("planner", "graphpipe", "graphpipe, sequential, gpipe.")
+  flags.DEFINE_string(
+    "planner", "graphpipe", "graphpipe, sequential, gpipe or piper."
+  )
   flags.DEFINE_string(
     "device", "v100", "Device preset: v100, a100, h100, h200, cpu."
   )

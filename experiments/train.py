@@ -38,7 +38,9 @@ def define_flags():
   flags.DEFINE_integer(
     "num_processes", 1, "Local processes (N/P devices each)."
   )
-  flags.DEFINE_string("planner", "graphpipe", "graphpipe, sequential, gpipe.")
+  flags.DEFINE_string(
+    "planner", "graphpipe", "graphpipe, sequential, gpipe or piper."
+  )
   flags.DEFINE_integer("steps", 5, "Optimizer steps.")
   flags.DEFINE_integer("batch_size", 16, "Samples per step.")
   flags.DEFINE_string("device", "v100", "Cost-model preset for planning.")

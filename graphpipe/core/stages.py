@@ -3,8 +3,19 @@
 A stage is a convex set of operator nodes, a set of devices (more than one
 means data parallelism inside the stage: each micro-batch is split evenly
 over the stage's devices and gradients are all-reduced once per iteration),
-and an in-flight count: how many micro-batches' activations it keeps stashed
-under 1F1B, n(sink) = 1, n(s) = 1 + max over successors t of n(t).
+a micro-batch size and an in-flight count: how many of its micro-batches'
+activations it keeps stashed under 1F1B, n(sink) = 1, n(s) = 1 + max over
+successors t of n(t) b_t / b_s.
+
+Per-stage micro-batch sizes. Stages may use different sizes b_s, each
+dividing the batch B, and each a multiple of every predecessor's size
+(sizes never shrink along a stage edge). Stage s runs M_s = B / b_s
+micro-batches; its micro-batch j holds samples [j b_s, (j + 1) b_s) of the
+mini-batch. So across an edge s -> t with b_t = k b_s, t's micro-batch j
+reads s's micro-batches jk .. jk + k - 1 (it runs once every k of them),
+and the backward of t's micro-batch j returns its input gradients to s in
+k pieces, one per s micro-batch. In samples, a stage holds b_s more than
+its busiest successor chain: n(s) b_s = b_s + max over t of n(t) b_t.
 
 Planners (`graphpipe.planning`) make plans; the schedules, the simulator and
 the runtime read them. What a stage costs in memory is
@@ -84,12 +95,28 @@ class Plan:
 
   @property
   def micro_batch_size(self) -> int:
-    """The largest stage micro-batch size (all equal unless per-stage)."""
-    return max(s.micro_batch_size for s in self.stages)
+    """The smallest stage micro-batch size (all equal unless per-stage)."""
+    return min(s.micro_batch_size for s in self.stages)
 
   @property
   def num_microbatches(self) -> int:
+    """Micro-batches of the smallest size per iteration (the finest)."""
     return self.batch_size // self.micro_batch_size
+
+  @property
+  def micro_batch_sizes(self) -> tuple[int, ...]:
+    """Each stage's micro-batch size, by stage id."""
+    return tuple(s.micro_batch_size for s in self.stages)
+
+  @property
+  def stage_microbatches(self) -> tuple[int, ...]:
+    """Micro-batches each stage runs per iteration, B / b_s, by stage id."""
+    return tuple(self.batch_size // b for b in self.micro_batch_sizes)
+
+  @property
+  def per_stage_micro_batches(self) -> bool:
+    """Whether stages use different micro-batch sizes."""
+    return len(set(self.micro_batch_sizes)) > 1
 
   @property
   def num_stages(self) -> int:
@@ -115,9 +142,14 @@ class Plan:
     return {n: s.id for s in self.stages for n in s.nodes}
 
   def __str__(self) -> str:
+    sizes = f"b={self.micro_batch_size} x {self.num_microbatches}"
+    if self.per_stage_micro_batches:
+      sizes = (
+        f"b={'/'.join(str(b) for b in sorted(set(self.micro_batch_sizes)))}"
+      )
     lines = [
       f"Plan[{self.planner}] {self.num_stages} stages, depth {self.depth}, "
-      f"b={self.micro_batch_size} x {self.num_microbatches} micro-batches, "
+      f"{sizes} micro-batches, "
       f"{self.num_devices} devices, schedule {self.schedule}"
     ]
     lines += [f"  {s}" for s in self.stages]
@@ -137,6 +169,7 @@ class Plan:
       num_stages=self.num_stages,
       micro_batch_size=self.micro_batch_size,
       num_microbatches=self.num_microbatches,
+      micro_batch_sizes=list(self.micro_batch_sizes),
     )
     return d
 
@@ -178,12 +211,28 @@ class Plan:
 
 
 def in_flight_counts(
-  num_stages: int, stage_edges: Sequence[tuple[int, int]]
+  num_stages: int,
+  stage_edges: Sequence[tuple[int, int]],
+  sizes: Sequence[int] | None = None,
 ) -> list[int]:
-  """1F1B in-flight counts: n(sink) = 1, n(s) = 1 + max over successors.
+  """1F1B in-flight counts: n(sink) = 1, n(s) = 1 + max over successors t
+  of n(t) b_t / b_s (with one size for all stages: 1 + max n(t)).
 
-  Stage ids must be a topological order (every edge goes forward).
+  Stage ids must be a topological order (every edge goes forward), and
+  each stage's size a multiple of its predecessors' (module docstring).
+
+  Example:
+    >>> in_flight_counts(3, [(0, 1), (1, 2)])
+    [3, 2, 1]
+    >>> in_flight_counts(2, [(0, 1)], sizes=[2, 4])   # the sink takes 2
+    [3, 1]
+
+  Args:
+    num_stages: stages, ids 0..num_stages - 1.
+    stage_edges: (src, dst) pairs.
+    sizes: micro-batch size per stage; None: all equal.
   """
+  sizes = list(sizes) if sizes is not None else [1] * num_stages
   counts = [1] * num_stages
   for s in reversed(range(num_stages)):
     succ = [b for a, b in stage_edges if a == s]
@@ -192,5 +241,14 @@ def in_flight_counts(
         f"stage ids must be a topological order: stage {s} has an edge "
         f"to {min(succ)}"
       )
-    counts[s] = 1 + max((counts[b] for b in succ), default=0)
+    for b in succ:
+      if sizes[b] % sizes[s]:
+        raise PlanError(
+          f"stage {b} takes micro-batches of {sizes[b]}, not a multiple of "
+          f"its predecessor stage {s}'s {sizes[s]}: sizes may only grow "
+          "along stage edges, by whole multiples"
+        )
+    counts[s] = 1 + max(
+      (counts[b] * sizes[b] // sizes[s] for b in succ), default=0
+    )
   return counts

@@ -11,6 +11,7 @@ Modules, in the order of the data flow:
   graphpipe_dp   the GraphPipe partitioner (binary search over the DP)
   baselines      the sequential (PipeDream) and GPipe partitioners
   assemble       spare devices, device placement, stage edges: the `Plan`
+  refine         local search around the partitioners' plans
   validate       `check_plan`: is a plan valid for its graph
   search         `plan`, `tightest_plan`, `plan_and_simulate`
 

@@ -35,6 +35,8 @@ def spend_spare_devices(
 
     (m - 1) * slowest stage + longest path of stage times + slowest sync,
 
+  (with per-stage sizes, the slowest of (m_s - 1) * stage time).
+
   while it does.
 
   Example:
@@ -52,20 +54,19 @@ def spend_spare_devices(
     part: a partition that may leave devices unused.
     costs: the stage costs it was made with.
   """
-  b = part.micro_batch_size
-  m = costs.batch_size // b
+  sizes = [part.size(i) for i in range(len(part.stages))]
   counts = [k for _, k in part.stages]
   spare = costs.num_devices - sum(counts)
   if spare <= 0:
     return part
-  edges = _stage_edges(graph, part)
+  edges = stage_edges(graph, part)
   order = _topological(part, edges)
   preds = {s: [a for a, t in edges if t == s] for s in order}
 
   def estimate(ks):
     busy = [
       costs.microbatch_time(nodes, b, k)
-      for (nodes, _), k in zip(part.stages, ks, strict=True)
+      for (nodes, _), k, b in zip(part.stages, ks, sizes, strict=True)
     ]
     path = {}
     for s in order:
@@ -74,14 +75,18 @@ def spend_spare_devices(
       costs.sync_time(nodes, k)
       for (nodes, _), k in zip(part.stages, ks, strict=True)
     )
-    return (m - 1) * max(busy) + max(path.values()) + sync
+    steady = max(
+      (costs.batch_size // b - 1) * t for b, t in zip(sizes, busy, strict=True)
+    )
+    return steady + max(path.values()) + sync
 
   current = estimate(counts)
   while spare > 0:
     best = None
     for i, k in enumerate(counts):
       more = next(
-        (k2 for k2 in range(k + 1, k + spare + 1) if b % k2 == 0), None
+        (k2 for k2 in range(k + 1, k + spare + 1) if sizes[i] % k2 == 0),
+        None,
       )
       if more is None:
         continue
@@ -134,32 +139,33 @@ def assemble(
     fingerprint: `graph_fingerprint(graph)`.
   """
   devices = place_devices(graph, part, costs.cost_model, costs.num_devices)
-  edges = _stage_edges(graph, part)
+  edges = stage_edges(graph, part)
   order = _topological(part, edges)
   rank = {s: i for i, s in enumerate(order)}
-  stage_edges = tuple(sorted((rank[a], rank[b]) for a, b in edges))
-  b = part.micro_batch_size
+  ranked_edges = tuple(sorted((rank[a], rank[b]) for a, b in edges))
+  sizes = [part.size(s) for s in order]
   if part.schedule == "gpipe":
-    in_flight = [costs.batch_size // b] * len(order)
+    in_flight = [costs.batch_size // b for b in sizes]
   else:
-    in_flight = in_flight_counts(len(order), stage_edges)
+    in_flight = in_flight_counts(len(order), ranked_edges, sizes)
   stages = tuple(
     Stage(
       id=i,
       nodes=tuple(sorted(part.stages[s][0])),
       devices=devices[s],
-      micro_batch_size=b,
+      micro_batch_size=sizes[i],
       in_flight=in_flight[i],
     )
     for i, s in enumerate(order)
   )
   bottleneck = max(
-    costs.time_per_sample(s.nodes, b, len(s.devices)) for s in stages
+    costs.time_per_sample(s.nodes, s.micro_batch_size, len(s.devices))
+    for s in stages
   )
   return Plan(
     planner=planner,
     stages=stages,
-    stage_edges=stage_edges,
+    stage_edges=ranked_edges,
     batch_size=costs.batch_size,
     num_devices=costs.num_devices,
     schedule=part.schedule,
@@ -216,10 +222,18 @@ def place_devices(
   return devices
 
 
-def _stage_edges(graph: OpGraph, part: Partition) -> set[tuple[int, int]]:
+def stage_edges(graph: OpGraph, part: Partition) -> set[tuple[int, int]]:
   """(stage, stage) pairs, as indices of `part.stages`, that need an edge.
 
   Operator edges across stages, plus consecutive pairs for a chain.
+
+  Example:
+    >>> stage_edges(graph, partition)
+    {(0, 2), (1, 2)}
+
+  Args:
+    graph: the operator graph.
+    part: the partition.
   """
   owner = {n: i for i, (nodes, _) in enumerate(part.stages) for n in nodes}
   edges = {

@@ -18,11 +18,14 @@ each t the fewest devices covering a prefix with every stage's time per
 sample (compute, transfers and gradient all-reduce, as `StageCosts`
 counts them) at most t. The decision form lets the memory rule see each
 stage's 1F1B in-flight count, p - i + 1 for stage i of p, so the DP state
-also carries the number of stages after the prefix; among plans that reach
-t it keeps the fewest stages (fewest micro-batches in flight at the first
-stage). As for GraphPipe, the fastest plans under a few smaller stage-count
-bounds are offered too, and `plan` spends spare devices the same way.
-Consecutive stages are chained (stage i feeds stage i + 1).
+also carries the number of stages after the prefix (the table is computed
+with numpy, one row per prefix end). As for GraphPipe, the partitioner
+offers the fewest stages at the best t, more stages at the same t,
+shallower plans under smaller stage-count bounds, each with stages filled
+from the front and from the back, under both stage metrics
+(`graphpipe.planning.candidates.frontier`); `plan` spends spare devices and
+refines the best the same way. Consecutive stages are chained (stage i
+feeds stage i + 1).
 
 gpipe (Huang et al. 2019). The chain is cut into at most num_devices / r
 stages balanced by time (binary search on t, greedy cut: optimal for
@@ -37,8 +40,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from graphpipe.core.graph import OpGraph
-from graphpipe.planning.candidates import Partition, frontier
+from graphpipe.core.memory import DEFAULT_OPTIMIZER_SLOTS
+from graphpipe.planning.candidates import Partition, distinct, frontier
 from graphpipe.planning.stage_costs import StageCosts
 
 _INF = 1 << 40
@@ -81,6 +87,17 @@ class _Chain:
   def nodes(self, first: int, last: int) -> tuple[int, ...]:
     return tuple(sorted(self.order[first : last + 1]))
 
+  def boundary(self) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes in, bytes out) per sample of every range [first, last]."""
+    n = len(self.order)
+    incoming, outgoing = np.zeros((n, n)), np.zeros((n, n))
+    for first in range(n):
+      for last in range(first, n):
+        incoming[first, last], outgoing[first, last] = (
+          self.costs.boundary_bytes(self.nodes(first, last))
+        )
+    return incoming, outgoing
+
   def option(self, first, last, b, k) -> tuple[float, int]:
     """(time per sample, in-flight capacity) of range first..last on k."""
     nodes = self.nodes(first, last)
@@ -113,120 +130,175 @@ class SequentialPartitioner:
   def __init__(self, graph: OpGraph, costs: StageCosts):
     self.costs = costs
     self.chains = [_Chain(o, costs) for o in linearisations(graph)]
-    self._within_cache = (None, None, None)
 
   def __call__(self, micro_batch: int) -> list[Partition]:
-    """Frontier partitions (stages against depth) of every linearisation."""
+    """Frontier partitions (stages against depth) of every linearisation,
+    under both stage metrics, stages filled from the front and the back."""
     out = []
     for chain in self.chains:
-      targets, options = self._options(chain, micro_batch)
+      ranges = _RangeCosts(chain, self.costs, micro_batch)
       most = min(len(chain.order), self.costs.num_devices)
+      for metric in (ranges.time_per_sample, ranges.steady_time_per_sample):
+        solver = _ChainSolver(ranges, metric, self.costs.num_devices)
+        for stages in frontier(
+          solver.targets, most, solver.feasible, solver.solve
+        ):
+          out.append(Partition(tuple(stages), micro_batch, chain=True))
+    return distinct(out)
 
-      def feasible(target, max_stages, options=options):
-        return self._fits(options, target, max_stages)
 
-      def solve(target, max_stages, chain=chain, options=options):
-        return self._solve(chain, options, target, max_stages)
+class _RangeCosts:
+  """Every contiguous range of a chain on every replica count, as arrays.
 
-      for stages in frontier(targets, most, feasible, solve):
-        out.append(Partition(tuple(stages), micro_batch, chain=True))
-    return out
+  Indexed [first, last, replica option]: `time_per_sample` and
+  `steady_time_per_sample` (as `StageCosts` defines them; infinite for
+  first > last) and `capacity`, the most in-flight micro-batches that fit
+  memory (0: not even one). `counts` are the replica options (divisors of
+  the micro-batch, at most the devices).
+  """
 
-  def _options(self, chain: _Chain, b: int):
-    """Candidate targets and, per range, (k, time per sample, capacity)."""
-    length = len(chain.order)
-    counts = [k for k in range(1, self.costs.num_devices + 1) if b % k == 0]
-    options = [[[] for _ in range(length)] for _ in range(length)]
-    targets = set()
-    for last in range(length):
-      for first in range(last, -1, -1):
-        row = []
-        for k in counts:
-          tps, cap = chain.option(first, last, b, k)
-          if cap >= 1:
-            row.append((k, tps, cap))
-            targets.add(tps)
-        options[first][last] = row
-        if not row:
-          break  # longer ranges do not fit either
-    return sorted(targets), options
+  def __init__(self, chain: _Chain, costs: StageCosts, micro_batch: int):
+    graph, order = costs.graph, chain.order
+    n = len(order)
+    self.chain = chain
+    self.counts = [
+      k for k in range(1, costs.num_devices + 1) if micro_batch % k == 0
+    ]
+    m = costs.batch_size // micro_batch
+    first, last = np.triu_indices(n)
+    inside = np.full((n, n), False)
+    inside[first, last] = True
+    params = _range_sums([graph.nodes[v].param_bytes for v in order])
+    state = _range_sums([graph.nodes[v].state_bytes for v in order])
+    incoming, outgoing = chain.boundary()
+    shape = (n, n, len(self.counts))
+    self.time_per_sample = np.full(shape, np.inf)
+    self.steady_time_per_sample = np.full(shape, np.inf)
+    self.capacity = np.zeros(shape, dtype=np.int64)
+    # Never let float rounding admit a stage the shared memory rule refuses.
+    budget = costs.memory_bytes * (1 - 1e-9)
+    static = params * (2 + DEFAULT_OPTIMIZER_SLOTS) + state
+    for i, k in enumerate(self.counts):
+      share = costs.share(micro_batch, k)
+      fwd, bwd = costs.node_times(share)
+      compute = _range_sums([fwd[v] + bwd[v] for v in order])
+      saved = _range_sums(
+        [graph.nodes[v].cost("saved_bytes", share) for v in order]
+      )
+      comm = np.zeros((n, n))
+      for f, z in zip(first, last, strict=True):
+        comm[f, z] = costs.transfer_time(
+          max(incoming[f, z], outgoing[f, z]) * share
+        )
+      busy = m * np.maximum(compute, comm)
+      sync = np.zeros((n, n))
+      for f, z in zip(first, last, strict=True):
+        sync[f, z] = costs.sync_time_of(float(params[f, z]), k)
+      steady = np.where(inside, busy / costs.batch_size, np.inf)
+      self.steady_time_per_sample[:, :, i] = steady
+      self.time_per_sample[:, :, i] = steady + sync / costs.batch_size
+      with np.errstate(divide="ignore", invalid="ignore"):
+        room = np.where(
+          saved > 0,
+          (budget - static) / saved,
+          np.where(static <= budget, 1 << 30, -1),
+        )
+      cap = np.where(static <= budget, np.floor(np.minimum(room, 1 << 30)), 0)
+      self.capacity[:, :, i] = np.where(inside, cap, 0).astype(np.int64)
 
-  def _fits(self, options, target: float, max_stages: int) -> bool:
-    table, _ = self._devices(options, target, max_stages)
-    return table[len(options) - 1][0] <= self.costs.num_devices
 
-  def _solve(self, chain: _Chain, options, target: float, max_stages: int):
-    """(stages used, stages) with every time per sample <= target and the
-    fewest stages up to max_stages (which must be feasible)."""
-    low, high = 1, max_stages
-    while low < high:
-      middle = (low + high) // 2
-      if self._fits(options, target, middle):
-        high = middle
-      else:
-        low = middle + 1
-    _, back = self._devices(options, target, low)
-    stages, last, after = [], len(options) - 1, 0
-    while last >= 0:
-      first, k = back[last][after]
-      stages.append((chain.nodes(first, last), k))
-      last, after = first - 1, after + 1
-    return low, stages[::-1]
+def _range_sums(values) -> np.ndarray:
+  """sums[first, last] = values[first] + ... + values[last] (first <= last)."""
+  prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, float))])
+  return prefix[None, 1:] - prefix[:-1, None]
 
-  @staticmethod
-  def _within(options, target: float):
-    """Per range, the (k, capacity) pairs within target, capacity rising."""
-    length = len(options)
-    within = [[()] * length for _ in range(length)]
-    for first in range(length):
-      for last in range(first, length):
-        pairs, most = [], -1
-        for k, tps, cap in options[first][last]:
-          if tps <= target and cap > most:
-            pairs.append((k, cap))
-            most = cap
-        if not pairs:
-          break  # longer ranges only get slower and larger
-        within[first][last] = tuple(pairs)
-    return within
 
-  def _devices(self, options, target: float, max_stages: int):
-    """table[j][d]: fewest devices for the prefix 0..j with d stages after.
+class _ChainSolver:
+  """PipeDream's DP in decision form for one metric, vectorised.
 
-    Only prefixes whose stages, with the d after them, number at most
-    `max_stages` count; a stage's in-flight count is 1 + stages after it.
-    """
-    # The binary searches ask for the same target several times in a row.
-    cached_options, cached_target, within = self._within_cache
-    if cached_options is not options or cached_target != target:
-      within = self._within(options, target)
-      self._within_cache = (options, target, within)
-    length = len(options)
-    table = [[_INF] * max_stages for _ in range(length)]
-    back = [[None] * max_stages for _ in range(length)]
-    for last in range(length):
-      best, choice = table[last], back[last]
-      for first in range(last, -1, -1):
-        pairs = within[first][last]
-        if not pairs:
-          break
-        before = table[first - 1] if first else None
-        index, count = 0, len(pairs)
-        for after in range(max_stages):
-          while index < count and pairs[index][1] <= after:
-            index += 1
-          if index == count:
-            break  # more in flight fits no device count either
-          k = pairs[index][0]
-          if before is None:
-            total = k
-          elif after + 1 < max_stages:
-            total = k + before[after + 1]
-          else:
-            break
-          if total < best[after]:
-            best[after], choice[after] = total, (first, k)
-    return table, back
+  `feasible(t, S)`: do stages of time per sample <= t, at most S of them,
+  cover the chain on the devices? The table is
+
+    devices[last, after] = fewest devices for the prefix 0..last when
+      `after` stages follow it (so its last stage holds 1 + after
+      micro-batches in flight, which memory must allow)
+    = min over first of need[first, last, after]
+                         + devices[first - 1, after + 1]
+
+  where need is the fewest replicas of range first..last within t whose
+  memory holds 1 + after in flight. Among equal device counts the last
+  stage is the shortest (stages filled from the front) or the longest
+  (filled from the back); `solve` returns both.
+  """
+
+  def __init__(self, ranges: _RangeCosts, metric: np.ndarray, devices: int):
+    self.ranges = ranges
+    self.metric = metric
+    self.devices = devices
+    finite = metric[np.isfinite(metric) & (ranges.capacity >= 1)]
+    self.targets = sorted(set(finite.tolist()))
+    self._memo: tuple = (None, None, None)
+
+  def _need(self, target: float, bound: int) -> np.ndarray:
+    """need[first, last, after] for after < bound (_INF: none fits)."""
+    if self._memo[0] != target:
+      ranges = self.ranges
+      # Prefix sums give equal ranges (identical layers) values that
+      # differ in the last bits; they must compare equal.
+      within = self.metric <= target * (1 + 1e-9)
+      most = min(len(ranges.chain.order), self.devices)
+      afters = np.arange(1, most + 1)
+      fits = within[..., None] & (ranges.capacity[..., None] >= afters)
+      counts = np.asarray(ranges.counts)[None, None, :, None]
+      self._memo = (target, np.where(fits, counts, _INF).min(axis=2), None)
+    return self._memo[1][:, :, :bound]
+
+  def _table(self, target: float, bound: int, backs: bool = False):
+    """The device table (see the class docstring), with the back pointers
+    (front- and back-filled) when `backs`."""
+    need = self._need(target, bound)
+    n = need.shape[0]
+    # padded[f, a] = devices[f - 1, a]: row 0 is the empty prefix (no
+    # devices, whatever follows), column `bound` a stage count over it.
+    padded = np.full((n + 1, bound + 1), _INF, dtype=np.int64)
+    padded[0, :] = 0
+    front = np.zeros((n, bound), dtype=np.int64) if backs else None
+    back = np.zeros((n, bound), dtype=np.int64) if backs else None
+    for last in range(n):
+      total = need[: last + 1, last, :] + padded[: last + 1, 1:]
+      padded[last + 1, :bound] = np.minimum(total.min(axis=0), _INF)
+      if backs:
+        back[last] = total.argmin(axis=0)
+        front[last] = last - total[::-1].argmin(axis=0)
+    return padded[1:, :bound], need, front, back
+
+  def feasible(self, target: float, bound: int) -> bool:
+    table, *_ = self._table(target, bound)
+    return table[-1, 0] <= self.devices
+
+  def solve(self, target: float, bound: int, shallowest: bool):
+    """(stages used, [front-filled stages, back-filled stages])."""
+    low = bound
+    if shallowest:
+      low = 1
+      while low < bound:
+        middle = (low + bound) // 2
+        if self.feasible(target, middle):
+          bound = middle
+        else:
+          low = middle + 1
+    table, need, *backs = self._table(target, low, backs=True)
+    out = []
+    for back in backs:
+      stages, last, after = [], len(table) - 1, 0
+      while last >= 0:
+        first = int(back[last, after])
+        stages.append(
+          (self.ranges.chain.nodes(first, last), int(need[first, last, after]))
+        )
+        last, after = first - 1, after + 1
+      out.append(stages[::-1])
+    return len(out[0]), out
 
 
 class GPipePartitioner:

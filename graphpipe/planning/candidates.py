@@ -22,25 +22,38 @@ class Partition:
     chain: consecutive stages depend on each other (a sequential pipeline),
       besides the edges the operator graph implies.
     schedule: '1f1b' or 'gpipe'.
+    sizes: per stage, its own micro-batch size when stages differ
+      (`graphpipe.core.stages`); empty: `micro_batch_size` for all.
   """
 
   stages: tuple[tuple[tuple[int, ...], int], ...]
   micro_batch_size: int
   chain: bool = False
   schedule: str = "1f1b"
+  sizes: tuple[int, ...] = ()
+
+  def size(self, stage: int) -> int:
+    """The micro-batch size of stage `stage` (an index of `stages`)."""
+    return self.sizes[stage] if self.sizes else self.micro_batch_size
 
 
-# Depth bounds tried below the fastest plan's depth: a rough geometric grid,
-# enough to find the shallow, data-parallel end of the frontier.
+# Depth bounds tried besides the fastest plan's own: a rough geometric grid,
+# enough to find the shallow, data-parallel end of the frontier and the
+# deep end (more stages, fewer devices each) at the same target.
 DEPTH_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def frontier(targets: list[float], max_depth: int, feasible, solve) -> list:
-  """Fastest solutions for the full depth, then for smaller depth bounds.
+  """Solutions on the frontier of bottleneck time against pipeline depth.
 
   Binary search on the sorted candidate targets (bottleneck times per
-  sample) for the smallest feasible one, first with `max_depth`, then with
-  each depth of `DEPTH_GRID` below the depth that solution used.
+  sample) for the smallest feasible one under `max_depth`; there, the
+  solution of fewest depth and the solutions under each deeper bound of
+  `DEPTH_GRID` up to `max_depth` (more stages at the same target: fewer
+  devices per stage, shorter stages, more devices left to spend); then,
+  for each bound of `DEPTH_GRID` below the fewest depth, the fastest
+  solution under it (shallower pipelines with more data parallelism have
+  shorter warm-ups).
 
   Example:
     A toy model of 4 s of work per sample: a bottleneck of t seconds needs
@@ -60,14 +73,20 @@ def frontier(targets: list[float], max_depth: int, feasible, solve) -> list:
     max_depth: the largest depth any solution can have.
     feasible: `feasible(target, depth)` -> bool, monotone: true stays true
       when the target is raised or the depth bound grows.
-    solve: `solve(target, depth)` -> (depth used, solution) for a feasible
-      pair, the solution of fewest depth.
+    solve: `solve(target, depth, shallowest)` -> (depth used, solutions)
+      for a feasible pair: the solutions of fewest depth when
+      `shallowest`, else those the DP finds under the bound itself (a
+      partitioner may return several, e.g. stages filled from the front
+      and from the back).
   """
-  if not targets or not feasible(targets[-1], max_depth):
+  if not targets:
     return []
 
-  def fastest(low: int, depth: int) -> int:
+  def fastest(low: int, depth: int) -> int | None:
+    """The smallest feasible index from `low` on, or None."""
     high = len(targets) - 1
+    if not feasible(targets[high], depth):
+      return None
     while low < high:
       middle = (low + high) // 2
       if feasible(targets[middle], depth):
@@ -77,11 +96,21 @@ def frontier(targets: list[float], max_depth: int, feasible, solve) -> list:
     return low
 
   index = fastest(0, max_depth)
-  depth, best = solve(targets[index], max_depth)
-  found = [best]
+  if index is None:
+    return []
+  depth, found = solve(targets[index], max_depth, True)
+  found = list(found)
+  deeper = [d for d in DEPTH_GRID if depth < d < max_depth]
+  for bound in deeper + ([max_depth] if depth < max_depth else []):
+    found += solve(targets[index], bound, False)[1]
   for bound in [d for d in DEPTH_GRID if d < depth][::-1]:
-    if not feasible(targets[-1], bound):
-      break
     index = fastest(index, bound)
-    found.append(solve(targets[index], bound)[1])
+    if index is None:
+      break
+    found += solve(targets[index], bound, True)[1]
   return found
+
+
+def distinct(partitions: list[Partition]) -> list[Partition]:
+  """`partitions` without repeats (same stages, micro-batch and schedule)."""
+  return list(dict.fromkeys(partitions))

@@ -41,13 +41,26 @@ class DPSolver:
       time per sample, in-flight capacity) triples that fit memory, device
       counts rising.
     num_devices: devices available.
+    fill: 'front' or 'back': which of the plans needing equally few
+      devices the DP keeps (see `_better`).
   """
 
-  def __init__(self, tree: StageTree, options, num_devices: int):
+  def __init__(
+    self, tree: StageTree, options, num_devices: int, fill: str = "front"
+  ):
     self.tree = tree
     self.options = options
     self.num_devices = num_devices
+    self.fill = fill
     self.target = None
+
+  def _better(self, devices: int, best: int) -> bool:
+    """Whether a choice needing `devices` replaces the best so far: among
+    equal counts the first choice tried (the shortest last stage: stages
+    filled from the front) or the last (filled from the back)."""
+    if self.fill == "front":
+      return devices < best
+    return devices <= best and devices < _INF
 
   def _retarget(self, target: float) -> None:
     if target != self.target:
@@ -60,11 +73,12 @@ class DPSolver:
     self._retarget(target)
     return self.min_devices(self.tree.root, max_depth, 0)[0] <= self.num_devices
 
-  def solve(self, target: float, max_depth: int):
-    """(depth, stages) of the shallowest feasible plan within max_depth."""
+  def solve(self, target: float, max_depth: int, shallowest: bool = True):
+    """(depth, [stages]): the shallowest feasible plan within max_depth
+    (or the DP's plan under max_depth itself when not `shallowest`)."""
     self._retarget(target)
     root = self.tree.root
-    low, high = 1, max_depth
+    low, high = (1, max_depth) if shallowest else (max_depth, max_depth)
     while low < high:
       middle = (low + high) // 2
       if self.min_devices(root, middle, 0)[0] <= self.num_devices:
@@ -73,7 +87,7 @@ class DPSolver:
         low = middle + 1
     stages = []
     self._collect(root, low, 0, stages)
-    return low, stages
+    return low, [stages]
 
   def base(self, base_id: int, in_flight: int) -> int:
     """Fewest devices for one stage (time and memory), or _INF."""
@@ -121,12 +135,12 @@ class DPSolver:
         total = k + self.series(x, s - 1, depth - 1, after + 1)[0]
       else:
         continue
-      if total < best:
+      if self._better(total, best):
         best, choice = total, ("stage", s, base_id, k)
       if depth >= 2:
         for i, c, absorb_id, k2 in self._absorbing(x, s, j, after):
           rest = self.trimmed(x, s - 1, i, c, depth - 1, after + 1)[0]
-          if k2 + rest < best:
+          if self._better(k2 + rest, best):
             best, choice = k2 + rest, ("absorb", s, i, c, absorb_id, k2)
     child = self.tree.children[x][j]
     if self.tree.kind[child] != "leaf":
@@ -141,7 +155,7 @@ class DPSolver:
           total = own + self.series(x, j - 1, depth - inner, after + inner)[0]
         else:
           continue
-        if total < best:
+        if self._better(total, best):
           best, choice = total, ("child", inner)
     self.memo[key] = (best, choice)
     return best, choice
@@ -178,7 +192,7 @@ class DPSolver:
         break
       if depth - inner >= 1:
         total = own + self.series(x, p - 1, depth - inner, after + inner)[0]
-        if total < best:
+        if self._better(total, best):
           best, choice = total, inner
     self.memo[key] = (best, choice)
     return best, choice
@@ -199,7 +213,7 @@ class DPSolver:
         own = self._head(kid, trim[1], depth, after)
       else:
         own = self.min_devices(kid, depth, after)[0]
-      if cover[i] + own < cover[i + 1]:
+      if self._better(cover[i] + own, cover[i + 1]):
         cover[i + 1], back[i + 1] = cover[i] + own, ("branch", i)
       for s in range(i - 1, -1, -1):
         if trim is not None and s <= trim[0] <= i:
@@ -210,7 +224,7 @@ class DPSolver:
           if self.base(base_id, 1) >= _INF:
             break
           continue
-        if cover[s] + k < cover[i + 1]:
+        if self._better(cover[s] + k, cover[i + 1]):
           cover[i + 1], back[i + 1] = cover[s] + k, ("group", s, base_id, k)
     result = (cover[-1], tuple(back))
     self.memo[key] = result

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from graphpipe.core.graph import OpGraph
 from graphpipe.planning import sp
-from graphpipe.planning.candidates import Partition, frontier
+from graphpipe.planning.candidates import Partition, distinct, frontier
 from graphpipe.planning.dp_solver import DPSolver
 from graphpipe.planning.stage_costs import StageCosts
 from graphpipe.planning.stage_tree import StageTree
@@ -107,27 +107,36 @@ class GraphPipePartitioner:
     self.tree = StageTree.build(sp.decompose(dag), dag, work)
 
   def __call__(self, micro_batch: int) -> list[Partition]:
-    """Frontier partitions for micro-batch size `micro_batch` (maybe [])."""
+    """Frontier partitions for micro-batch size `micro_batch` (maybe []),
+    under both stage metrics, stages filled from the front and the back."""
     costs = self.costs
     counts = [
       k for k in range(1, costs.num_devices + 1) if micro_batch % k == 0
     ]
-    options = []
-    targets = set()
-    for nodes in self.tree.base_nodes:
-      row = []
-      for k in counts:
-        cap = costs.in_flight_capacity(nodes, micro_batch, k)
-        if cap >= 1:
-          tps = costs.time_per_sample(nodes, micro_batch, k)
-          row.append((k, tps, cap))
-          targets.add(tps)
-      options.append(row)
-    solver = DPSolver(self.tree, options, costs.num_devices)
-    found = frontier(
-      sorted(targets),
-      self.tree.depth[self.tree.root],
-      solver.feasible,
-      solver.solve,
-    )
-    return [Partition(tuple(stages), micro_batch) for stages in found]
+    found = []
+    for metric in (costs.time_per_sample, costs.steady_time_per_sample):
+      options = []
+      targets = set()
+      for nodes in self.tree.base_nodes:
+        row = []
+        for k in counts:
+          cap = costs.in_flight_capacity(nodes, micro_batch, k)
+          if cap >= 1:
+            tps = metric(nodes, micro_batch, k)
+            row.append((k, tps, cap))
+            targets.add(tps)
+        options.append(row)
+      front = DPSolver(self.tree, options, costs.num_devices)
+      back = DPSolver(self.tree, options, costs.num_devices, fill="back")
+
+      def solve(target, bound, shallowest, front=front, back=back):
+        depth, stages = front.solve(target, bound, shallowest)
+        return depth, stages + back.solve(target, depth, False)[1]
+
+      found += frontier(
+        sorted(targets),
+        self.tree.depth[self.tree.root],
+        front.feasible,
+        solve,
+      )
+    return distinct([Partition(tuple(stages), micro_batch) for stages in found])

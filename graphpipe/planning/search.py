@@ -5,15 +5,21 @@
 Every planner answers the same question for each micro-batch size b (powers
 of two dividing the batch, or the sizes given): which stages, on how many
 devices each, minimise the bottleneck stage's time per sample
-(`graphpipe.planning.stage_costs.StageCosts`) within the memory budget, and,
-among those, have the fewest micro-batches in flight at the source. Each
-returns that plan plus the fastest plans under a few smaller depth bounds (a
-shallower pipeline with more data parallelism has a shorter warm-up). `plan`
-then gives spare devices where they shorten the iteration, places stages on
-devices, derives stage edges and in-flight counts, and keeps the candidate
-with the shortest estimated iteration (`estimate_iteration_time`);
-candidates within 10% of the best are simulated (`graphpipe.simulate`, the
-schedule the plan will run) and the fastest wins.
+(`graphpipe.planning.stage_costs.StageCosts`) within the memory budget. A
+DP's single answer is not always the fastest plan, so each partitioner
+offers the plans its DP would discard but the simulator may prefer
+(`graphpipe.planning.candidates.frontier`): the fewest stages at the best
+target and more stages at the same target, shallower pipelines under
+smaller depth bounds, stages filled from the front and from the back, and
+all of these again under a second metric that leaves each stage's
+all-reduce and optimizer step off the critical path
+(`StageCosts.steady_time_per_sample`). `plan` gives spare devices where
+they shorten the iteration, places stages on devices, derives stage edges
+and in-flight counts, ranks every candidate by `estimate_iteration_time`,
+runs a local search (`graphpipe.planning.refine`) from the best plan of
+the best few micro-batch sizes, and finally simulates candidates best
+estimate first (`graphpipe.simulate`, the schedule each plan will run)
+until the next estimate is no better than the fastest simulated plan.
 
 Also here: `tightest_plan` (the plan under the smallest memory that fits,
 to make small models really pipeline) and `plan_and_simulate`.
@@ -42,6 +48,9 @@ from graphpipe.planning import baselines
 from graphpipe.planning.assemble import assemble, spend_spare_devices
 from graphpipe.planning.candidates import Partition
 from graphpipe.planning.graphpipe_dp import GraphPipePartitioner
+from graphpipe.planning.micro_batches import grow_micro_batches
+from graphpipe.planning.piper import PIPER_BUDGET, PiperPartitioner
+from graphpipe.planning.refine import refine
 from graphpipe.planning.stage_costs import StageCosts, estimate_iteration_time
 from graphpipe.schedules.builders import schedule_for
 from graphpipe.schedules.grid import Schedule
@@ -54,11 +63,13 @@ __all__ = [
   "tightest_plan",
 ]
 
-PLANNERS = ("graphpipe", "sequential", "gpipe")
-# Candidates whose estimate is within 10% of the best are simulated, best
-# estimate first, up to about a second of simulation (~20 us an action).
-_CLOSE_CALL = 1.1
-_SIMULATED_ACTIONS = 50_000
+PLANNERS = ("graphpipe", "sequential", "gpipe", "piper")
+# Simulation budget per search, in actions (~50 us each: about a second),
+# and in plans.
+_SIMULATED_ACTIONS = 20_000
+_SIMULATED_PLANS = 32
+# Local search starts from the best plan of this many micro-batch sizes.
+_REFINED = 3
 
 
 def plan(
@@ -70,6 +81,8 @@ def plan(
   cost_model: CostModel | None = None,
   memory_bytes: float | None = None,
   micro_batch_sizes: Sequence[int] | None = None,
+  per_stage_micro_batches: bool = False,
+  piper_budget: int = PIPER_BUDGET,
 ) -> Plan:
   """A stage graph for `graph` on `num_devices` devices.
 
@@ -96,8 +109,9 @@ def plan(
     num_devices: devices the plan may use.
     batch_size: samples per iteration (the mini-batch).
     planner: 'graphpipe' (graph pipeline), 'sequential' (PipeDream-style
-      1F1B over the best linearisation) or 'gpipe' (balanced chain, GPipe
-      schedule).
+      1F1B over the best linearisation), 'gpipe' (balanced chain, GPipe
+      schedule) or 'piper' (a 1F1B sequence of down-set differences,
+      `graphpipe.planning.piper`).
     device: a preset name of `graphpipe.costs.PRESETS` or a `DeviceSpec`;
       used when `cost_model` is None.
     cost_model: times of nodes and communication; default the analytic
@@ -105,10 +119,17 @@ def plan(
     memory_bytes: per-device budget; default the cost model's capacity.
     micro_batch_sizes: sizes to search; default every power of two that
       divides `batch_size`.
+    per_stage_micro_batches: let GraphPipe's stages take micro-batches a
+      power of two larger than their predecessors' where the estimate
+      gains (`graphpipe.planning.micro_batches`). The simulator times such
+      plans; `graphpipe.Trainer` does not run them yet.
+    piper_budget: stages Piper may price before it gives up (its search
+      is exponential in the number of parallel branches).
 
   Raises:
     PlanError: no plan fits (the message names the smallest per-device
-      memory, or device count, that would), bad arguments.
+      memory, or device count, that would), Piper ran out of budget, bad
+      arguments.
   """
   start = time.perf_counter()
   _check_arguments(graph, num_devices, batch_size, planner)
@@ -119,8 +140,17 @@ def plan(
   if memory_bytes is None:
     memory_bytes = cost_model.memory_bytes
   sizes = _micro_batch_sizes(batch_size, micro_batch_sizes)
+  per_stage = per_stage_micro_batches and planner == "graphpipe"
   best = _search(
-    graph, num_devices, batch_size, planner, cost_model, memory_bytes, sizes
+    graph,
+    num_devices,
+    batch_size,
+    planner,
+    cost_model,
+    memory_bytes,
+    sizes,
+    per_stage=per_stage,
+    piper_budget=piper_budget,
   )
   if best is None:
     raise _no_plan_error(
@@ -164,48 +194,152 @@ def _micro_batch_sizes(
 
 
 def _partitioner(
-  graph: OpGraph, planner: str, costs: StageCosts
+  graph: OpGraph, planner: str, costs: StageCosts, piper_budget: int
 ) -> Callable[[int], list[Partition]]:
   if planner == "graphpipe":
     return GraphPipePartitioner(graph, costs)
   if planner == "sequential":
     return baselines.SequentialPartitioner(graph, costs)
+  if planner == "piper":
+    return PiperPartitioner(graph, costs, piper_budget)
   return baselines.GPipePartitioner(graph, costs)
 
 
 def _search(
-  graph, num_devices, batch_size, planner, cost_model, memory_bytes, sizes
+  graph,
+  num_devices,
+  batch_size,
+  planner,
+  cost_model,
+  memory_bytes,
+  sizes,
+  per_stage: bool = False,
+  piper_budget: int = PIPER_BUDGET,
 ) -> Plan | None:
   """The fastest candidate plan (see the module docstring), or None."""
   costs = StageCosts(graph, cost_model, batch_size, num_devices, memory_bytes)
-  partition = _partitioner(graph, planner, costs)
+  partition = _partitioner(graph, planner, costs, piper_budget)
   fingerprint = graph_fingerprint(graph)
-  candidates = []
+  timing = _NodeTimes(cost_model)
+  candidates: dict[Partition, tuple | None] = {}
+
+  def evaluate(part: Partition) -> tuple | None:
+    """(estimate, in flight at the source, -b, plan), None if over memory."""
+    if part not in candidates:
+      p = assemble(graph, part, costs, planner, fingerprint)
+      fits = all(
+        costs.in_flight_capacity(s.nodes, s.micro_batch_size, len(s.devices))
+        >= s.in_flight
+        for s in p.stages
+      )
+      candidates[part] = None
+      if fits:
+        estimate = estimate_iteration_time(p, graph, timing)
+        candidates[part] = (
+          estimate,
+          p.stages[0].in_flight,
+          -p.micro_batch_size,
+          p,
+        )
+    return candidates[part]
+
   for b in sizes:
     for part in partition(b):
       if part.schedule == "1f1b":
         part = spend_spare_devices(graph, part, costs)
-      candidate = assemble(graph, part, costs, planner, fingerprint)
-      estimate = estimate_iteration_time(candidate, graph, cost_model)
-      candidates.append(
-        (estimate, candidate.stages[0].in_flight, -b, candidate)
-      )
-  if not candidates:
+      evaluate(part)
+  ranked = sorted(
+    ((c[:3], part) for part, c in candidates.items() if c is not None),
+    key=lambda x: x[0],
+  )
+  if not ranked:
     return None
-  candidates.sort(key=lambda c: c[:3])
-  # The estimate is within a few percent of the event simulation; close
-  # calls are settled by simulating the schedule the plan will run.
-  close = [c for c in candidates if c[0] <= _CLOSE_CALL * candidates[0][0]]
-  if len(close) == 1:
-    return close[0][3]
-  timed, budget = [], _SIMULATED_ACTIONS
-  for c in close:
-    actions = 2 * c[3].num_microbatches * c[3].num_stages
-    if timed and actions > budget:
+  # The DPs rank by the bottleneck; with few micro-batches, fill, drain and
+  # the last optimizer step matter too: local search from the best plan of
+  # each of the best few micro-batch sizes (near-copies of one plan would
+  # all lead to the same place).
+  by_size: dict[int, Partition] = {}
+  for _, part in ranked:
+    by_size.setdefault(part.micro_batch_size, part)
+  starts = list(by_size.values())[:_REFINED]
+  # Fewer sizes than starts (e.g. one size asked for): the next best plans
+  # (of other estimates) start too.
+  seen = {round(candidates[p][0], 12) for p in starts}
+  for key, part in ranked:
+    if len(starts) >= _REFINED:
+      break
+    if round(key[0], 12) not in seen:
+      seen.add(round(key[0], 12))
+      starts.append(part)
+
+  def estimated(part: Partition) -> float | None:
+    found = evaluate(part)
+    return None if found is None else found[0]
+
+  for part in starts:
+    if part.schedule != "1f1b":
       continue
+    refined = refine(
+      graph,
+      part,
+      num_devices,
+      estimated,
+      lambda nodes, k, b=part.micro_batch_size: costs.microbatch_time(
+        nodes, b, k
+      ),
+    )
+    if per_stage:
+      # Per-stage sizes (GraphPipe's extension): grow them from the
+      # uniform plans found so far.
+      for uniform in dict.fromkeys([part, refined]):
+        grow_micro_batches(graph, uniform, batch_size, estimated)
+  found = sorted(
+    (c for c in candidates.values() if c is not None), key=lambda c: c[:3]
+  )
+  # The estimate is a few percent under the event simulation at most
+  # (rarely a little over): simulate the schedule each plan will run, best
+  # estimate first, until the next estimate is no better than the fastest
+  # simulated plan (or the simulation budget is spent).
+  best, budget, timed = None, _SIMULATED_ACTIONS, set()
+  for c in found:
+    if best is not None and (c[0] >= best[0] or len(timed) == _SIMULATED_PLANS):
+      break
+    # Plans the estimate cannot tell apart (mirror images: the same stages
+    # on other branches or devices) are simulated once.
+    twin = round(c[0], 12)
+    actions = 2 * c[3].num_microbatches * c[3].num_stages
+    if best is not None and (actions > budget or twin in timed):
+      continue
+    timed.add(twin)
     budget -= actions
-    timed.append((simulate(c[3], graph, cost_model).iteration_time_s, *c[1:]))
-  return min(timed, key=lambda c: c[:3])[3]
+    seconds = simulate(c[3], graph, cost_model).iteration_time_s
+    if best is None or (seconds, *c[1:3]) < best[:3]:
+      best = (seconds, *c[1:])
+  return best[3]
+
+
+class _NodeTimes:
+  """A cost model whose node times are memoised (one search, one graph)."""
+
+  def __init__(self, cost_model: CostModel):
+    self.model = cost_model
+    self.memory_bytes = cost_model.memory_bytes
+    self._times: dict[tuple, float] = {}
+
+  def node_time(self, node, batch, kind) -> float:
+    key = (node.id, batch, kind)
+    if key not in self._times:
+      self._times[key] = self.model.node_time(node, batch, kind)
+    return self._times[key]
+
+  def transfer_time(self, num_bytes, src, dst) -> float:
+    return self.model.transfer_time(num_bytes, src, dst)
+
+  def allreduce_time(self, num_bytes, devices) -> float:
+    return self.model.allreduce_time(num_bytes, devices)
+
+  def optimizer_time(self, param_bytes) -> float:
+    return self.model.optimizer_time(param_bytes)
 
 
 def _no_plan_error(

@@ -129,7 +129,14 @@ class StageCosts:
 
   def sync_time(self, nodes: Sequence[int], num_devices: int) -> float:
     """All-reduce (over k devices) plus optimizer step, once per iteration."""
-    params = float(self._params[list(nodes)].sum())
+    key = ("sync", tuple(nodes), num_devices)
+    if key not in self._cache:
+      params = float(self._params[list(nodes)].sum())
+      self._cache[key] = self.sync_time_of(params, num_devices)
+    return self._cache[key]
+
+  def sync_time_of(self, params: float, num_devices: int) -> float:
+    """`sync_time` of a stage holding `params` parameter bytes."""
     if params <= 0:
       return 0.0
     reduce = 0.0
@@ -141,11 +148,14 @@ class StageCosts:
     self, nodes: Sequence[int], micro_batch: int, num_devices: int
   ) -> float:
     """Busy time per micro-batch: compute, or transfers if they are slower."""
-    fwd, bwd = self.compute_time(nodes, micro_batch, num_devices)
-    share = self.share(micro_batch, num_devices)
-    incoming, outgoing = self.boundary_bytes(nodes)
-    comm = self.transfer_time(max(incoming, outgoing) * share)
-    return max(fwd + bwd, comm)
+    key = ("busy", tuple(nodes), micro_batch, num_devices)
+    if key not in self._cache:
+      fwd, bwd = self.compute_time(nodes, micro_batch, num_devices)
+      share = self.share(micro_batch, num_devices)
+      incoming, outgoing = self.boundary_bytes(nodes)
+      comm = self.transfer_time(max(incoming, outgoing) * share)
+      self._cache[key] = max(fwd + bwd, comm)
+    return self._cache[key]
 
   def time_per_sample(
     self, nodes: Sequence[int], micro_batch: int, num_devices: int
@@ -156,6 +166,23 @@ class StageCosts:
       m = self.batch_size // micro_batch
       busy = m * self.microbatch_time(nodes, micro_batch, num_devices)
       busy += self.sync_time(nodes, num_devices)
+      self._cache[key] = busy / self.batch_size
+    return self._cache[key]
+
+  def steady_time_per_sample(
+    self, nodes: Sequence[int], micro_batch: int, num_devices: int
+  ) -> float:
+    """`time_per_sample` without the all-reduce and optimizer step.
+
+    The planners' second metric: a stage that finishes its last backward
+    before the pipeline drains does its gradient all-reduce and optimizer
+    step while upstream stages still run, off the critical path; with few
+    micro-batches per iteration, that is what the iteration time sees.
+    """
+    key = ("steady", tuple(nodes), micro_batch, num_devices)
+    if key not in self._cache:
+      m = self.batch_size // micro_batch
+      busy = m * self.microbatch_time(nodes, micro_batch, num_devices)
       self._cache[key] = busy / self.batch_size
     return self._cache[key]
 
@@ -190,12 +217,25 @@ def estimate_iteration_time(
 ) -> float:
   """Seconds per iteration of `p`, from the pipeline's critical path.
 
-  steady state: once the first micro-batch reaches a stage, it runs its
-    warm-up forwards (as many as it holds in flight) back to back, then
-    one forward per period of the busiest stage (compute, or its busiest
-    link);
-  drain: it runs forward through the stage DAG to the sinks and backward
-    to the sources (with the transfers on the way);
+  Per stage s with M_s micro-batches of b_s samples, forward f_s and
+  backward g_s per micro-batch, n_s in flight and w_s = min(M_s, n_s)
+  warm-up forwards:
+
+  pace: warm-up forwards run back to back, at f_s or at the pace of
+    predecessors that run theirs back to back (per sample);
+  cadence: late in the iteration a stage that holds all its micro-batches
+    in flight (M_s <= n_s) still runs forwards only (f_s); any other
+    alternates forward and backward (f_s + g_s, or its busiest link) and
+    its backwards wait for its successors' cadence;
+  forwards: the first input arrives (a stage of b_s = k b_p takes k of a
+    predecessor's micro-batches), w_s forwards follow at the pace, the
+    other M_s - w_s one per cadence; the last forward also waits for every
+    predecessor's last forward.
+  drain: after its last forward a stage runs the w_s backwards it holds,
+    from when the first of their gradients is back (a successor's last
+    backwards run back to back, earlier ones at its cadence); the last
+    also waits for the last gradients from every successor (they return
+    in k pieces to a stage of b_p = b_s / k);
   end: each stage's all-reduce and optimizer step start after its own last
     backward; the iteration ends with the last of them.
 
@@ -215,20 +255,21 @@ def estimate_iteration_time(
     cost_model: the cost model to time it with.
   """
   n = p.num_stages
-  share = [
-    StageCosts.share(s.micro_batch_size, len(s.devices)) for s in p.stages
-  ]
+  stages = p.stages
+  size = [s.micro_batch_size for s in stages]
+  count = [p.batch_size // b for b in size]
+  share = [StageCosts.share(s.micro_batch_size, len(s.devices)) for s in stages]
   fwd = [
     sum(
       cost_model.node_time(graph.nodes[i], share[s.id], "fwd") for i in s.nodes
     )
-    for s in p.stages
+    for s in stages
   ]
   bwd = [
     sum(
       cost_model.node_time(graph.nodes[i], share[s.id], "bwd") for i in s.nodes
     )
-    for s in p.stages
+    for s in stages
   ]
   owner = p.stage_of_node()
   # A value read by several nodes of a stage travels once (as simulated).
@@ -239,52 +280,98 @@ def estimate_iteration_time(
       by_src = largest.setdefault((a, b), {})
       old = by_src.get(e.src, (0.0, 0.0))
       by_src[e.src] = (max(old[0], e.bytes), max(old[1], e.fixed_bytes))
-  transfer = {}
+  preds = [p.predecessors(s) for s in range(n)]
+  succs = [p.successors(s) for s in range(n)]
+  # One transfer carries the smaller micro-batch of the two ends; the
+  # larger end sends or receives `pieces` of them per own micro-batch.
+  transfer, pieces = {}, {}
   for a, b in p.stage_edges:
-    src, dst = p.stages[a], p.stages[b]
+    src, dst = stages[a], stages[b]
     pairs = max(len(src.devices), len(dst.devices))
+    unit = min(size[a], size[b])
     values = largest.get((a, b), {}).values()
-    total = sum(x * src.micro_batch_size + fixed for x, fixed in values)
+    total = sum(x * unit + fixed for x, fixed in values)
     transfer[(a, b)] = cost_model.transfer_time(
       total / pairs, src.devices[0], dst.devices[0]
     )
+    pieces[(a, b)] = (size[a] // unit, size[b] // unit)
   busy = [fwd[s] + bwd[s] for s in range(n)]
   for (a, b), t in transfer.items():
-    busy[a] = max(busy[a], t)
-    busy[b] = max(busy[b], t)
-  # Follow the last micro-batch forward to the sinks and backward to the
-  # sources; each stage then all-reduces and steps.
-  m, period = p.num_microbatches, max(busy)
+    busy[a] = max(busy[a], pieces[(a, b)][0] * t)
+    busy[b] = max(busy[b], pieces[(a, b)][1] * t)
+  warm = [min(count[s], stages[s].in_flight) for s in range(n)]
+  free = [count[s] <= stages[s].in_flight for s in range(n)]
+  # Per sample: the pace of back-to-back forwards fed by predecessors that
+  # also run back to back (warm-up), and the cadence late in the
+  # iteration.
+  early = [fwd[s] / size[s] for s in range(n)]
+  for s in range(n):
+    early[s] = max([early[s]] + [early[a] for a in preds[s]])
+  cadence = [(fwd[s] if free[s] else busy[s]) / size[s] for s in range(n)]
+  for s in reversed(range(n)):
+    if not free[s]:
+      cadence[s] = max([cadence[s]] + [cadence[t] for t in succs[s]])
   first_end = [0.0] * n
   forward_end = [0.0] * n
   for s in range(n):
     arrival = max(
-      (first_end[a] + transfer[(a, s)] for a in p.predecessors(s)),
+      (
+        first_end[a]
+        + (size[s] // size[a] - 1) * early[a] * size[a]
+        + transfer[(a, s)]
+        for a in preds[s]
+      ),
       default=0.0,
     )
     first_end[s] = arrival + fwd[s]
-    # After the first micro-batch arrives, stage s runs its warm-up forwards
-    # (as many as it holds in flight) back to back, then one forward per
-    # period of the busiest stage.
-    warm = min(m, p.stages[s].in_flight)
-    start = arrival + (warm - 1) * fwd[s] + (m - warm) * period
-    forward_end[s] = fwd[s] + max(
-      [start] + [forward_end[a] + transfer[(a, s)] for a in p.predecessors(s)]
+    start = (
+      arrival
+      + (warm[s] - 1) * early[s] * size[s]
+      + (count[s] - warm[s]) * cadence[s] * size[s]
     )
-  # GPipe runs every backward after every forward.
-  backlog = (m - 1) * max(bwd) if p.schedule == "gpipe" else 0.0
+    # The last forward also waits for every predecessor's last forward.
+    forward_end[s] = fwd[s] + max(
+      [start] + [forward_end[a] + transfer[(a, s)] for a in preds[s]]
+    )
   end = 0.0
   backward_end = [0.0] * n
-  for s in reversed(range(n)):
-    backward_end[s] = bwd[s] + max(
-      (backward_end[t] + transfer[(s, t)] for t in p.successors(s)),
-      default=forward_end[s] + backlog,
+
+  def gradient_ready(t: int, microbatch: int) -> float:
+    """When stage t's backward of its micro-batch `microbatch` ends: its
+    last w_t backwards run back to back, earlier ones at its cadence."""
+    behind = count[t] - 1 - microbatch
+    if behind < warm[t]:
+      return backward_end[t] - behind * bwd[t]
+    return (
+      backward_end[t]
+      - (warm[t] - 1) * bwd[t]
+      - (behind - warm[t] + 1) * cadence[t] * size[t]
     )
-    params = sum(graph.nodes[i].param_bytes for i in p.stages[s].nodes)
+
+  for s in reversed(range(n)):
+    # After its last forward a stage owes the backwards of the w_s
+    # micro-batches it holds (all of them under GPipe): they start when
+    # the first of their gradients is back and end no sooner than the
+    # last gradient allows.
+    first = (count[s] - warm[s]) * size[s]  # its first owed sample
+    start = max(
+      [forward_end[s]]
+      + [
+        gradient_ready(t, first // size[t]) + transfer[(s, t)] for t in succs[s]
+      ]
+    )
+    backward_end[s] = max(
+      [start + warm[s] * bwd[s]]
+      + [
+        backward_end[t] + pieces[(s, t)][0] * transfer[(s, t)] + bwd[s]
+        for t in succs[s]
+      ]
+    )
+    params = sum(graph.nodes[i].param_bytes for i in stages[s].nodes)
     sync = 0.0
     if params > 0:
       sync = cost_model.optimizer_time(params)
-      if len(p.stages[s].devices) > 1:
-        sync += cost_model.allreduce_time(params, p.stages[s].devices)
+      if len(stages[s].devices) > 1:
+        sync += cost_model.allreduce_time(params, stages[s].devices)
     end = max(end, backward_end[s] + sync)
   return end

@@ -17,10 +17,11 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
   """Raises `PlanError` unless `p` is a valid plan for `graph`.
 
   Checks: stages partition the nodes and are convex; devices are disjoint
-  and in range; the micro-batch divides the batch and each stage's device
-  count divides the micro-batch; stage edges cover every operator edge
-  across stages and go forward; in-flight counts follow the schedule;
-  every device's memory (`stage_memory_bytes`) fits `memory_bytes`.
+  and in range; each stage's micro-batch divides the batch, its device
+  count divides its micro-batch, and its micro-batch is a multiple of each
+  predecessor's; stage edges cover every operator edge across stages and
+  go forward; in-flight counts follow the schedule; every device's memory
+  (`stage_memory_bytes`) fits `memory_bytes`.
 
   Example:
     >>> graph = capture_zoo("two_branch", "paper")
@@ -59,6 +60,13 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
       problems.append(f"stage {s.id}: micro-batch does not split evenly")
   if any(a >= b for a, b in p.stage_edges):
     problems.append("a stage edge goes backward")
+  sizes = p.micro_batch_sizes
+  for a, b in p.stage_edges:
+    if 0 <= a < len(sizes) and 0 <= b < len(sizes) and sizes[b] % sizes[a]:
+      problems.append(
+        f"stage {b}'s micro-batch {sizes[b]} is not a multiple of stage "
+        f"{a}'s {sizes[a]}"
+      )
   if not problems:
     for e in graph.edges:
       a, b = owner[e.src], owner[e.dst]
@@ -66,9 +74,9 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
         problems.append(f"operator edge {e.src}->{e.dst} has no stage edge")
     problems += _convexity_problems(p, graph, owner)
     if p.schedule == "gpipe":
-      expected = [p.num_microbatches] * p.num_stages
+      expected = list(p.stage_microbatches)
     else:
-      expected = in_flight_counts(p.num_stages, p.stage_edges)
+      expected = in_flight_counts(p.num_stages, p.stage_edges, sizes)
     if [s.in_flight for s in p.stages] != expected:
       problems.append(f"in-flight counts are not {expected}")
     for s in p.stages:

@@ -1,12 +1,9 @@
-"""Values <-> float32 rows and flat buffers, the runtime's wire format."""
+"""Values <-> float32 rows and flat vectors, the runtime's wire format."""
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from graphpipe.errors import PipelineRuntimeError
 from graphpipe.runtime.layout import ValueSpec
@@ -52,18 +49,6 @@ def pack_leaves(leaves) -> jax.Array:
   return jnp.concatenate([to_f32(x).reshape(-1) for x in leaves])
 
 
-def unpack_leaves(flat, avals):
-  """Inverse of `pack_leaves`, given the leaves' shapes and dtypes."""
-  out, at = [], 0
-  for aval in avals:
-    size = math.prod(aval.shape)
-    out.append(
-      from_f32(flat[at : at + size], str(aval.dtype)).reshape(aval.shape)
-    )
-    at += size
-  return out
-
-
 def pad_to(x, size: int):
   """`x` (1-D) zero-padded to `size` elements."""
   if x.shape[0] > size:
@@ -72,14 +57,3 @@ def pad_to(x, size: int):
       "and the values disagree"
     )
   return jnp.pad(x, (0, size - x.shape[0]))
-
-
-def host_flat(values, keys, shapes, size: int) -> np.ndarray:
-  """Host float32 vector of `values[k]` for `keys`, padded to `size`."""
-  out = np.zeros(size, np.float32)
-  at = 0
-  for k in keys:
-    n = math.prod(shapes[k][0])
-    out[at : at + n] = np.asarray(values[k], np.float32).reshape(-1)
-    at += n
-  return out

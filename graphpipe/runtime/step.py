@@ -1,30 +1,44 @@
 """The pipelined training step: one SPMD program over a 1-D device mesh.
 
-    for tick in schedule:                        # lax.scan over ticks
-      action = table[tick, my_device]            # e.g. 2F0, 2B0 or idle
-      lax.switch(branch of (my_device, F/B)):    # each device its own code
-        F: inputs  <- activation stash (rows received earlier), batch rows
-           outputs, loss <- the stage's node jaxprs; keep what B needs
-           send rows of each output edge matrix to the successors' devices
-        B: cotangents <- gradient stash (sent by successors' B)
-           grads of params (accumulated) and of inputs <- VJP of the stage
-           send rows of the input gradients back to the predecessors
-      for channel in channels:                   # fixed permutations
-        received = lax.ppermute(send[channel])   # fan-out / fan-in
-        write it into the activation or gradient stash (table says where)
+    for tick in tables:                          # lax.scan over ticks
+      write what arrived last tick into the activation / gradient stashes
+      if forward[tick, my_device]:               # e.g. 2F0
+        switch to my device's forward:           # each device its own code
+          inputs <- activation stash, batch rows
+          outputs, loss <- the stage's node jaxprs
+          sends <- rows of each output edge matrix, for the successors
+        residuals (outputs of matrix products) -> residual stash
+      if backward[tick, my_device]:              # e.g. 2B0, or 2F0+2B0 fused
+        switch to my device's backward:
+          cotangents <- gradient stash (sent by successors' B)
+          grads of params and of inputs <- VJP of the stage
+          sends <- rows of the input gradients, for the predecessors
+        gradient slots += grads of params
+      if anything is sent at this tick:          # the same on all devices
+        for channel in channels:                 # fixed permutations
+          inbox[channel] = lax.ppermute(sends[channel])  # fan-out / fan-in
     gradients: sum over each data-parallel stage's devices (fixed order)
-    loss: psum; optimizer: optax on each device's flat parameter buffer
+    loss: psum; optimizer: optax on each device's parameter slots
 
 Every per-device difference lives in static tables indexed by tick and
 device, so the scan body is one program. What a device computes at tick t
-is readable by its receivers from tick t + 1.
+is readable by its receivers from tick t + 1. A sink stage's forward and
+the backward at the next tick run as one action where nothing else runs
+(`tables.fuse_ticks`): a one-stage 1F1B step is a scan of value-and-grad.
+
+The loop's shape is dictated by what XLA:CPU keeps in place. It copies a
+whole buffer (stash, gradient slots) that is read and then updated in one
+iteration, and one that two branches of a conditional update (two devices'
+forwards, or forward and backward): so stashes are written at the start of
+a tick, before anything reads them, and each update sits in a two-way
+conditional (skip, or compute and update) around a switch whose branches
+return new values only. Parameters live in slots (`graphpipe.runtime.slots`)
+because a slice of a flat buffer is a copy on XLA:CPU.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,55 +47,31 @@ from jax import lax
 
 from graphpipe.errors import PipelineRuntimeError
 from graphpipe.frontend.program import Program
-from graphpipe.runtime import packing
+from graphpipe.runtime import packing, slots
+from graphpipe.runtime.buffers import Buffers, Operands
 from graphpipe.runtime.layout import Layout
+from graphpipe.runtime.stage_code import StageCode
 from graphpipe.runtime.tables import build_tables, make_channels
 from graphpipe.schedules.grid import Schedule
 
 AXIS = "pipe"
 
 
-class Operands(NamedTuple):
-  """What every branch of the tick's `lax.switch` receives."""
-
-  params: jax.Array  # this device's flat parameters
-  state: jax.Array  # its flat non-trainable variables
-  batch: dict  # the whole batch, replicated
-  act: jax.Array  # activation stash (all slots, flat)
-  grad: jax.Array  # gradient stash
-  res: jax.Array  # residual stash
-  gacc: jax.Array  # accumulated parameter gradients
-  loss: jax.Array  # accumulated loss
-  microbatch: jax.Array  # the action's micro-batch
-  act_slot: jax.Array  # its slots in the three stashes
-  grad_slot: jax.Array
-  res_slot: jax.Array
+def _dispatch(index, branches, ops):
+  """`branches[index](ops)`; a switch only when there is a choice."""
+  if len(branches) == 1:
+    return branches[0](ops)
+  return lax.switch(index, branches, ops)
 
 
-@dataclasses.dataclass(frozen=True)
-class Buffers:
-  """Sizes (float32 elements) of the per-device buffers; all devices alike."""
-
-  params: int
-  state: int
-  act_slot: int
-  act_slots: int
-  grad_slot: int
-  grad_slots: int
-  res_slot: int
-  res_slots: int
-  channel: int
-  channels: int
-
-  def stash_bytes(self) -> int:
-    return 4 * (
-      self.act_slot * self.act_slots
-      + self.grad_slot * self.grad_slots
-      + self.res_slot * self.res_slots
-    )
+def _unless_idle(active, run, skip, branches):
+  """f(ops): `run` where `active(ops)`, else `skip`; `skip` if no branches."""
+  if not branches:
+    return skip
+  return lambda ops: lax.cond(active(ops), run, skip, ops)
 
 
-class StepBuilder:
+class StepBuilder(StageCode):
   """Builds the tables and the shard_map body of a pipelined step.
 
   Args:
@@ -107,76 +97,27 @@ class StepBuilder:
       raise PipelineRuntimeError(
         f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}"
       )
-    self.layout = layout
     self.schedule = schedule
     self.recompute = recompute
     self.loss_reduction = loss_reduction
     self.batch_size = batch_size
-    self.programs = {
-      s.chunk: program.at_batch_size(s.chunk) for s in layout.stages
-    }
-    self.consts = program.consts
+    super().__init__(layout, program)
     self.device_stage = layout.stage_of_device()
-    self._residual_avals = {}
     self._channels = make_channels(layout)
     self.channels = self._channels.groups
     self.channel_of = self._channels.channel_of
     self._make_tables()
 
-  # Static structure.
-
-  def stage_function(self, stage: int):
-    """f(params, acts_block, batch_rows) -> (outputs block, loss)."""
-    s = self.layout.stages[stage]
-    program = self.programs[s.chunk]
-    edges = self.layout.edges
-    in_offsets = self.layout.in_offsets(stage)
-
-    def f(params: dict, acts_block, batch: dict):
-      env = dict(self.consts)
-      env.update(params)
-      env.update(batch)
-      for e in s.in_edges:
-        edge = edges[e]
-        start = in_offsets[e]
-        width = edge.width
-        matrix = lax.dynamic_slice_in_dim(acts_block, start, s.chunk * width)
-        matrix = matrix.reshape(s.chunk, width)
-        col = 0
-        for v in edge.values:
-          env[v.key] = packing.from_rows(
-            matrix[:, col : col + v.width], v, s.chunk
-          )
-          col += v.width
-      for n in s.nodes:
-        node = program.nodes[n]
-        outs = node(*[env[k] for k in node.inputs])
-        env.update(zip(node.outputs, outs, strict=True))
-      blocks = []
-      for e in s.out_edges:
-        rows = [
-          packing.to_rows(env[v.key], v, s.chunk) for v in edges[e].values
-        ]
-        if edges[e].token:
-          rows = [jnp.zeros((s.chunk, 1), jnp.float32)]
-        blocks.append(jnp.concatenate(rows, axis=1).reshape(-1))
-      out = jnp.concatenate(blocks) if blocks else jnp.zeros((0,), jnp.float32)
-      loss = sum(
-        (env[k].astype(jnp.float32) for k in s.loss_keys),
-        jnp.zeros((), jnp.float32),
-      )
-      return out, loss
-
-    return f
-
   def _make_tables(self):
     lay = self.layout
     ticks = build_tables(lay, self.schedule, self._channels, self.recompute)
     self.tables = ticks.arrays
-    self.branch_devices = ticks.branch_devices
+    self.forward_devices = ticks.forward_devices
+    self.backward_devices = ticks.backward_devices
+    self.fused_devices = ticks.fused_devices
     self.buffers = Buffers(
-      params=max(1, max(lay.param_size(s.id) for s in lay.stages)),
-      state=max(1, max(lay.param_size(s.id, "state") for s in lay.stages)),
+      params=slots.plan_slots(self._variables("params")),
+      state=slots.plan_slots(self._variables("state")),
       act_slot=max(1, max(lay.in_size(s.id) for s in lay.stages)),
       act_slots=max(1, ticks.act_slots),
       grad_slot=max(1, max(lay.out_size(s.id) for s in lay.stages)),
@@ -194,57 +135,13 @@ class StepBuilder:
       channels=max(1, len(self.channels)),
     )
 
-  # Residuals (when not recomputing).
-
-  def _abstract_inputs(self, stage):
-    lay = self.layout
-    s = lay.stages[stage]
-    params = {
-      k: jax.ShapeDtypeStruct(*lay.param_shapes[k]) for k in s.params + s.state
-    }
-    acts = jax.ShapeDtypeStruct((max(1, lay.in_size(stage)),), jnp.float32)
-    program = self.programs[s.chunk]
-    batch_avals = {}
-    for node in program.nodes:
-      for k, a in zip(node.inputs, node.input_avals(), strict=True):
-        if k.startswith("batch:"):
-          batch_avals[k] = jax.ShapeDtypeStruct(a.shape, a.dtype)
-    batch = {k: batch_avals[k] for k in s.batch}
-    return params, acts, batch
-
-  def _vjp_parts(self, stage, params, acts, batch):
-    """(outputs, loss), residual leaves, their treedef, param positions."""
-    s = self.layout.stages[stage]
-    f = self.stage_function(stage)
-    trainable = {k: params[k] for k in s.params}
-    frozen = {k: params[k] for k in s.state}
-
-    def diff(p, a):
-      return f({**p, **frozen}, a, batch)
-
-    outs, vjp = jax.vjp(diff, trainable, acts)
-    leaves, treedef = jax.tree.flatten(vjp)
-    param_ids = {id(v): k for k, v in trainable.items()}
-    keep = [i for i, x in enumerate(leaves) if id(x) not in param_ids]
-    sources = {
-      i: param_ids[id(x)] for i, x in enumerate(leaves) if id(x) in param_ids
-    }
-    return outs, leaves, treedef, keep, sources
-
-  def _residual_size(self, stage):
-    params, acts, batch = self._abstract_inputs(stage)
-    info = {}
-
-    def probe(params, acts, batch):
-      _, leaves, _, keep, _ = self._vjp_parts(stage, params, acts, batch)
-      info["avals"] = [
-        jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in keep
-      ]
-      return 0
-
-    jax.eval_shape(probe, params, acts, batch)
-    self._residual_avals[stage] = info["avals"]
-    return sum(math.prod(a.shape) for a in info["avals"])
+  def _variables(self, kind):
+    """Per stage, (key, elements) of its `kind` ('params' or 'state')."""
+    shapes = self.layout.param_shapes
+    return [
+      [(k, math.prod(shapes[k][0])) for k in getattr(s, kind)]
+      for s in self.layout.stages
+    ]
 
   # The per-device branches.
 
@@ -254,14 +151,13 @@ class StepBuilder:
       return 1.0
     return s.chunk / self.batch_size
 
-  def _unflatten(self, flat, keys):
-    out, at = {}, 0
-    for k in keys:
-      shape, dtype = self.layout.param_shapes[k]
-      n = math.prod(shape)
-      out[k] = flat[at : at + n].reshape(shape).astype(dtype)
-      at += n
-    return out
+  def _read_variables(self, ops, stage):
+    """(trainable, frozen) values of `stage` from the device's slots."""
+    s, shapes = self.layout.stages[stage], self.layout.param_shapes
+    return (
+      slots.read(ops.params, self.buffers.params, stage, s.params, shapes),
+      slots.read(ops.state, self.buffers.state, stage, s.state, shapes),
+    )
 
   def _batch_rows(self, stage, device, batch, mb):
     s = self.layout.stages[stage]
@@ -300,35 +196,28 @@ class StepBuilder:
   def _forward_branch(self, device):
     stage = self.device_stage[device]
     lay, buf = self.layout, self.buffers
-    s = lay.stages[stage]
     in_size, out_offsets = lay.in_size(stage), lay.out_offsets(stage)
     weight = self._loss_weight(stage)
     f = self.stage_function(stage)
 
     def branch(ops):
-      values = {
-        **self._unflatten(ops.params, s.params),
-        **self._unflatten(ops.state, s.state),
-      }
+      trainable, frozen = self._read_variables(ops, stage)
       acts = lax.dynamic_slice_in_dim(
         ops.act, ops.act_slot * buf.act_slot, in_size
       )
       rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
-      res = ops.res
       if self.recompute:
-        out, stage_loss = f(values, acts, rows)
+        out, stage_loss = f({**trainable, **frozen}, acts, rows)
+        kept = None
       else:
         (out, stage_loss), leaves, _, keep, _ = self._vjp_parts(
-          stage, values, acts, rows
+          stage, {**trainable, **frozen}, acts, rows
         )
         kept = packing.pad_to(
           packing.pack_leaves([leaves[i] for i in keep]), buf.res_slot
         )
-        res = lax.dynamic_update_slice_in_dim(
-          res, kept, ops.res_slot * buf.res_slot, 0
-        )
       sends = self._sends(device, out, out_offsets, forward=True)
-      return res, ops.gacc, ops.loss + weight * stage_loss, sends
+      return kept, weight * stage_loss, sends
 
     return branch
 
@@ -342,8 +231,7 @@ class StepBuilder:
     f = self.stage_function(stage)
 
     def branch(ops):
-      trainable = self._unflatten(ops.params, s.params)
-      frozen = self._unflatten(ops.state, s.state)
+      trainable, frozen = self._read_variables(ops, stage)
       rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
       if self.recompute:
         acts = lax.dynamic_slice_in_dim(
@@ -357,15 +245,16 @@ class StepBuilder:
         _, leaves, treedef, keep, _ = self._vjp_parts(
           stage, {**trainable, **frozen}, blank, rows
         )
-        stored = lax.dynamic_slice_in_dim(
-          ops.res, ops.res_slot * buf.res_slot, buf.res_slot
-        )
-        for i, value in zip(
-          keep,
-          packing.unpack_leaves(stored, self._residual_avals[stage]),
-          strict=True,
-        ):
-          leaves[i] = value
+        # Each residual is sliced straight from the stash: slicing the
+        # whole slot first would copy it.
+        at = ops.res_slot * buf.res_slot
+        for i, aval in zip(keep, self._residual_avals[stage], strict=True):
+          size = math.prod(aval.shape)
+          stored = lax.dynamic_slice_in_dim(ops.res, at, size)
+          leaves[i] = packing.from_f32(stored, str(aval.dtype)).reshape(
+            aval.shape
+          )
+          at = at + size
         vjp = jax.tree.unflatten(treedef, leaves)
       cotangent = lax.dynamic_slice_in_dim(
         ops.grad, ops.grad_slot * buf.grad_slot, out_size
@@ -373,23 +262,80 @@ class StepBuilder:
       grad_params, grad_acts = vjp(
         (cotangent, jnp.asarray(weight, jnp.float32))
       )
-      flat = packing.pack_leaves([grad_params[k] for k in s.params])
-      gacc = ops.gacc + packing.pad_to(flat, buf.params)
+      updates = slots.scatter(buf.params, stage, grad_params)
       sends = self._sends(device, grad_acts, in_offsets, forward=False)
-      return ops.res, gacc, ops.loss, sends
+      return updates, jnp.zeros((), jnp.float32), sends
 
     return branch
 
-  def branches(self):
-    """[idle, F of device d0, B of d0, F of d1, ...] for `lax.switch`."""
+  def _fused_branch(self, device):
+    """A sink stage's forward and backward at once (`tables.fuse_ticks`)."""
+    stage = self.device_stage[device]
+    lay, buf = self.layout, self.buffers
+    in_size, in_offsets = lay.in_size(stage), lay.in_offsets(stage)
+    weight = self._loss_weight(stage)
+    f = self.stage_function(stage)
 
-    def idle(ops):
-      return ops.res, ops.gacc, ops.loss, self._sends(None)
+    def branch(ops):
+      trainable, frozen = self._read_variables(ops, stage)
+      acts = lax.dynamic_slice_in_dim(
+        ops.act, ops.act_slot * buf.act_slot, in_size
+      )
+      rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
+      (out, stage_loss), vjp = jax.vjp(
+        lambda p, a: f({**p, **frozen}, a, rows), trainable, acts
+      )
+      grad_params, grad_acts = vjp(
+        (jnp.zeros_like(out), jnp.asarray(weight, jnp.float32))
+      )
+      updates = slots.scatter(buf.params, stage, grad_params)
+      sends = self._sends(device, grad_acts, in_offsets, forward=False)
+      return updates, weight * stage_loss, sends
 
-    out = [idle]
-    for d in self.branch_devices:
-      out += [self._forward_branch(d), self._backward_branch(d)]
-    return out
+    return branch
+
+  def forward_step(self):
+    """f(ops) -> (res, loss, sends) of a tick's forward, if any.
+
+    XLA:CPU keeps a buffer in place through a conditional only if one of
+    its branches updates it and the others pass it through; with two or
+    more branches updating it (the forwards of different devices) it
+    copies the buffer. So a two-way conditional (skip, or forward and
+    update) holds a switch over the devices' forwards, which return new
+    values only; on one device there is no switch.
+    """
+    buf = self.buffers
+    branches = [self._forward_branch(d) for d in self.forward_devices]
+
+    def run(ops):
+      kept, loss, sends = _dispatch(ops.forward - 1, branches, ops)
+      res = ops.res
+      if kept is not None:
+        res = lax.dynamic_update_slice_in_dim(
+          res, kept, ops.res_slot * buf.res_slot, 0
+        )
+      return res, ops.loss + loss, sends
+
+    def skip(ops):
+      return ops.res, ops.loss, self._sends(None)
+
+    return _unless_idle(lambda ops: ops.forward > 0, run, skip, branches)
+
+  def backward_step(self):
+    """f(ops) -> (gacc, loss, sends) of a tick's backward or fused action."""
+    branches = [self._backward_branch(d) for d in self.backward_devices] + [
+      self._fused_branch(d) for d in self.fused_devices
+    ]
+
+    def run(ops):
+      updates, loss, sends = _dispatch(ops.backward - 1, branches, ops)
+      gacc = tuple(g + u for g, u in zip(ops.gacc, updates, strict=True))
+      return gacc, ops.loss + loss, sends
+
+    def skip(ops):
+      return ops.gacc, ops.loss, self._sends(None)
+
+    return _unless_idle(lambda ops: ops.backward > 0, run, skip, branches)
 
   # The body.
 
@@ -397,7 +343,7 @@ class StepBuilder:
     """Inside shard_map: this device's reduced gradients and the loss."""
     buf = self.buffers
     me = lax.axis_index(AXIS)
-    branches = self.branches()
+    forward, backward = self.forward_step(), self.backward_step()
     tables = {k: jnp.asarray(v) for k, v in self.tables.items()}
 
     def write(buffer, data, start, length, enable):
@@ -407,9 +353,38 @@ class StepBuilder:
         buffer, jnp.where(keep, data, window), start, 0
       )
 
+    def exchange(sends):
+      return jnp.stack(
+        [
+          lax.ppermute(sends[c], AXIS, perm)
+          for c, perm in enumerate(self.channels)
+        ]
+      )
+
     def tick(carry, row):
-      act, grad, res, gacc, loss = carry
+      act, grad, res, gacc, loss, inbox = carry
       mine = {k: v[me] for k, v in row.items()}
+      # What arrived at the end of the last tick goes into the stashes
+      # first: written before they are read, they stay in place.
+      for c in range(len(self.channels)):
+        valid = mine["recv_valid"][c] == 1
+        is_grad = mine["recv_grad"][c] == 1
+        length = mine["recv_len"][c]
+        slot, offset = mine["recv_slot"][c], mine["recv_offset"][c]
+        act = write(
+          act,
+          inbox[c],
+          slot * buf.act_slot + offset,
+          length,
+          valid & ~is_grad,
+        )
+        grad = write(
+          grad,
+          inbox[c],
+          slot * buf.grad_slot + offset,
+          length,
+          valid & is_grad,
+        )
       ops = Operands(
         params,
         state,
@@ -419,42 +394,37 @@ class StepBuilder:
         res,
         gacc,
         loss,
+        mine["forward"],
+        mine["backward"],
         mine["mb"],
         mine["act_slot"],
         mine["grad_slot"],
         mine["res_slot"],
       )
-      res, gacc, loss, sends = lax.switch(mine["branch"], branches, ops)
-      for c, perm in enumerate(self.channels):
-        received = lax.ppermute(sends[c], AXIS, perm)
-        valid = mine["recv_valid"][c] == 1
-        is_grad = mine["recv_grad"][c] == 1
-        length = mine["recv_len"][c]
-        act = write(
-          act,
-          received,
-          mine["recv_slot"][c] * buf.act_slot + mine["recv_offset"][c],
-          length,
-          valid & ~is_grad,
+      res, loss, forward_sends = forward(ops)
+      gacc, loss, backward_sends = backward(ops._replace(res=res, loss=loss))
+      # A device runs at most one action a tick; `where` keeps the bits of
+      # bit-cast integers that an add could change.
+      sends = jnp.where(mine["forward"] > 0, forward_sends, backward_sends)
+      if self.channels:
+        # Ticks where nothing is sent skip the collectives, and with them
+        # the wait for the other devices. The inbox is read only where a
+        # transfer arrived, so a skipped tick may leave anything in it.
+        inbox = lax.cond(
+          mine["exchange"] == 1, exchange, lambda sends: sends, sends
         )
-        grad = write(
-          grad,
-          received,
-          mine["recv_slot"][c] * buf.grad_slot + mine["recv_offset"][c],
-          length,
-          valid & is_grad,
-        )
-      return (act, grad, res, gacc, loss), None
+      return (act, grad, res, gacc, loss, inbox), None
 
     zeros = lambda n: jnp.zeros((n,), jnp.float32)
     carry = (
       zeros(buf.act_slot * buf.act_slots + buf.channel),
       zeros(buf.grad_slot * buf.grad_slots + buf.channel),
       zeros(buf.res_slot * buf.res_slots),
-      zeros(buf.params),
+      tuple(zeros(n) for n in buf.params.sizes),
       jnp.zeros((), jnp.float32),
+      jnp.zeros((buf.channels, buf.channel), jnp.float32),
     )
-    (_, _, _, gacc, loss), _ = lax.scan(tick, carry, tables)
+    (_, _, _, gacc, loss, _), _ = lax.scan(tick, carry, tables)
     return self._reduce_replicas(gacc), lax.psum(loss, AXIS)
 
   def _reduce_replicas(self, gacc):
@@ -482,9 +452,13 @@ class StepBuilder:
         for i in range(len(g))
       ]
       received.append(lax.ppermute(gacc, AXIS, perm))
-    received = jnp.stack(received)
-    total = jnp.zeros_like(gacc)
-    for j in range(largest):
-      k = jnp.mod(j - pos, n)
-      total = total + jnp.where(j < n, received[k], 0.0)
-    return total
+
+    def in_order(*copies):
+      stacked = jnp.stack(copies)
+      total = jnp.zeros_like(copies[0])
+      for j in range(largest):
+        k = jnp.mod(j - pos, n)
+        total = total + jnp.where(j < n, stacked[k], 0.0)
+      return total
+
+    return jax.tree.map(in_order, *received)

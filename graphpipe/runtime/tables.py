@@ -50,21 +50,33 @@ def make_channels(layout: Layout) -> Channels:
   )
 
 
+FUSED = 2  # kind of a forward and its backward run as one action
+RECV_KEYS = ("recv_valid", "recv_grad", "recv_slot", "recv_offset", "recv_len")
+
+
 @dataclasses.dataclass(frozen=True)
 class TickTables:
   """[ticks, devices(, channels)] int32 arrays and the slot counts.
 
   Attributes:
-    arrays: 'branch' (0 idle, 1 + 2 i forward / 2 + 2 i backward of the
-      i-th device of `branch_devices`), 'mb', 'act_slot', 'grad_slot',
-      'res_slot', and per channel 'recv_valid', 'recv_grad', 'recv_slot',
-      'recv_offset', 'recv_len'.
-    branch_devices: devices that run a stage, in branch order.
+    arrays: 'forward' (0 none, 1 + i the forward of the i-th device of
+      `forward_devices`), 'backward' (0 none, 1 + i the backward of the
+      i-th of `backward_devices`, 1 + len(backward_devices) + j the fused
+      forward and backward of the j-th of `fused_devices`), 'mb',
+      'act_slot', 'grad_slot', 'res_slot', 'exchange' (1 where anything is
+      sent at the end of the tick, alike on every device), and per channel
+      'recv_valid', 'recv_grad', 'recv_slot', 'recv_offset', 'recv_len':
+      where the rows that arrived at the end of the *previous* tick go
+      (the step writes them before it reads any stash).
+    forward_devices, backward_devices, fused_devices: the devices that
+      run such actions, in branch order.
     act_slots, grad_slots, res_slots: slots needed on any device.
   """
 
   arrays: dict
-  branch_devices: tuple[int, ...]
+  forward_devices: tuple[int, ...]
+  backward_devices: tuple[int, ...]
+  fused_devices: tuple[int, ...]
   act_slots: int
   grad_slots: int
   res_slots: int
@@ -83,11 +95,14 @@ def build_tables(
       only until the forward (residuals stashed instead).
   """
   lay = layout
-  table = schedule_table(schedule)
-  ticks = schedule.ticks()
+  table = fuse_ticks(schedule_table(schedule))
   num_ticks, num_devices = table.shape[:2]
-  # (stage, kind, mb) -> tick, for all stages
-  when = {(a.stage, a.kind, a.microbatch): t for a, t in ticks.items()}
+  # (stage, kind, mb) -> tick, for all stages; a fused action is both.
+  when = {}
+  for t, d in zip(*np.nonzero(table[:, :, 0] >= 0), strict=True):
+    stage, kind, mb = (int(x) for x in table[t, d])
+    for k in ("F", "B") if kind == FUSED else ("FB"[kind],):
+      when[(stage, k, mb)] = int(t)
   m = lay.num_microbatches
   act_life, grad_life, res_life = {}, {}, {}
   for s in lay.stages:
@@ -117,7 +132,7 @@ def build_tables(
               f"schedule runs {s.id}B{mb} before its gradients arrive"
             )
           grad_life[(d, mb)] = (min(grads), b_tick)
-        if not recompute:
+        if not recompute and f_tick < b_tick:
           res_life[(d, mb)] = (f_tick, b_tick)
   act_slot, n_act = allocate_slots(act_life)
   grad_slot, n_grad = allocate_slots(grad_life)
@@ -125,11 +140,13 @@ def build_tables(
   num_channels = len(channels.groups)
   shape = (num_ticks, num_devices)
   arrays = {
-    "branch": np.zeros(shape, np.int32),
+    "forward": np.zeros(shape, np.int32),
+    "backward": np.zeros(shape, np.int32),
     "mb": np.zeros(shape, np.int32),
     "act_slot": np.zeros(shape, np.int32),
     "grad_slot": np.zeros(shape, np.int32),
     "res_slot": np.zeros(shape, np.int32),
+    "exchange": np.zeros(shape, np.int32),
     "recv_valid": np.zeros(shape + (num_channels,), np.int32),
     "recv_grad": np.zeros(shape + (num_channels,), np.int32),
     "recv_slot": np.zeros(shape + (num_channels,), np.int32),
@@ -137,14 +154,28 @@ def build_tables(
     "recv_len": np.zeros(shape + (num_channels,), np.int32),
   }
   tb = arrays
-  branch_devices = tuple(sorted(lay.stage_of_device()))
-  branch_id = {d: 1 + 2 * i for i, d in enumerate(branch_devices)}
+  runs = [
+    tuple(sorted(set(np.nonzero((table[:, :, 1] == kind).any(axis=0))[0])))
+    for kind in (0, 1, FUSED)
+  ]
+  forward_devices, backward_devices, fused_devices = (
+    tuple(int(d) for d in r) for r in runs
+  )
+  branch = {
+    0: ("forward", {d: 1 + i for i, d in enumerate(forward_devices)}),
+    1: ("backward", {d: 1 + i for i, d in enumerate(backward_devices)}),
+    FUSED: (
+      "backward",
+      {d: 1 + len(backward_devices) + i for i, d in enumerate(fused_devices)},
+    ),
+  }
   for t in range(num_ticks):
     for d in range(num_devices):
       stage, kind, mb = table[t, d]
       if stage < 0:
         continue
-      tb["branch"][t, d] = branch_id[d] + kind
+      key, ids = branch[int(kind)]
+      tb[key][t, d] = ids[d]
       tb["mb"][t, d] = mb
       tb["act_slot"][t, d] = act_slot.get((d, mb), 0)
       tb["grad_slot"][t, d] = grad_slot.get((d, mb), 0)
@@ -182,9 +213,20 @@ def build_tables(
         offset=lay.out_offsets(src_stage)[tr.edge] + tr.src_row * width,
         length=tr.rows * width,
       )
+  # A transfer at tick t is written into its stash at the start of t + 1;
+  # nothing is sent at the last tick (its receiver would have no tick left
+  # to use it).
+  if arrays["recv_valid"][-1].any():
+    raise PipelineRuntimeError("the schedule sends at its last tick")
+  # The same on every device: all take part in a tick's ppermutes or none.
+  arrays["exchange"][:] = arrays["recv_valid"].any(axis=(1, 2))[:, None]
+  for key in RECV_KEYS:
+    arrays[key] = np.roll(arrays[key], 1, axis=0)
   return TickTables(
     arrays=arrays,
-    branch_devices=branch_devices,
+    forward_devices=forward_devices,
+    backward_devices=backward_devices,
+    fused_devices=fused_devices,
     act_slots=n_act,
     grad_slots=n_grad,
     res_slots=n_res,
@@ -252,6 +294,47 @@ def allocate_slots(
       slots[(device, mb)] = slot
     most = max(most, len(free_at))
   return slots, most
+
+
+def fuse_ticks(table: np.ndarray) -> np.ndarray:
+  """Runs a forward and the backward right after it as one action.
+
+  Where every device that works at tick t runs a forward of some micro-
+  batch and at t + 1 that micro-batch's backward of the same stage, and no
+  other device works at either tick, the two ticks become one whose cells
+  have kind `FUSED`. Such a stage is a sink (a stage with successors waits
+  for their backwards), so nothing travels between the two ticks, and the
+  fused action computes forward and backward in one go, stashing no
+  residuals, as plain JAX does: a one-stage 1F1B plan becomes a scan of
+  value-and-grad over the micro-batches. Lock-step time cannot grow: the
+  merged tick lasts the longest forward + backward, no more than the two
+  ticks did.
+
+  Args:
+    table: [ticks, devices, (stage, kind, micro-batch)], as from
+      `schedule_table`.
+  """
+  out, t = [], 0
+  while t < len(table):
+    now = table[t]
+    active = now[:, 0] >= 0
+    if (
+      t + 1 < len(table)
+      and active.any()
+      and ((table[t + 1][:, 0] >= 0) == active).all()
+      and (now[active, 1] == 0).all()
+      and (table[t + 1][active, 1] == 1).all()
+      and (table[t + 1][active, 0] == now[active, 0]).all()
+      and (table[t + 1][active, 2] == now[active, 2]).all()
+    ):
+      merged = now.copy()
+      merged[active, 1] = FUSED
+      out.append(merged)
+      t += 2
+    else:
+      out.append(now)
+      t += 1
+  return np.stack(out)
 
 
 def schedule_table(schedule: Schedule) -> np.ndarray:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from typing import Any, NamedTuple
@@ -18,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.errors import PipelineRuntimeError
-from graphpipe.runtime import packing
+from graphpipe.runtime import slots
 from graphpipe.runtime.layout import build_layout
 from graphpipe.runtime.step import AXIS, StepBuilder
 from graphpipe.schedules.builders import schedule_for
@@ -29,9 +28,10 @@ class TrainState(NamedTuple):
   """Per-device training state: row d of each array lives on device d.
 
   Attributes:
-    params: [devices, P] float32, each device's stage parameters, flat.
-    state: [devices, S] float32, each device's non-trainable variables.
-    opt_state: the optax state of each device's flat buffer ([devices, ...]
+    params: a tuple of [devices, slot size] float32 arrays: each device's
+      stage parameters in its slots (`graphpipe.runtime.slots`).
+    state: the same for the non-trainable variables.
+    opt_state: the optax state of each device's slots ([devices, ...]
       leaves).
     step: number of optimizer steps taken.
   """
@@ -147,11 +147,13 @@ class Trainer:
     self._rows = NamedSharding(self.mesh, P(AXIS))
     self._replicated = NamedSharding(self.mesh, P())
     # One compiled program serves training and verification: it returns
-    # the reduced gradients beside the new state.
-    self._step = jax.jit(self._shard(self._train_step))
+    # the reduced gradients beside the new state. It takes over the state
+    # it is given, so that XLA updates parameters and optimizer state in
+    # place.
+    self._step = jax.jit(self._shard(self._train_step), donate_argnums=0)
     self._init_opt = jax.jit(
       jax.shard_map(
-        lambda p: jax.tree.map(lambda x: x[None], optimizer.init(p[0])),
+        lambda p: _rows(optimizer.init(_local(p))),
         mesh=self.mesh,
         in_specs=P(AXIS),
         out_specs=P(AXIS),
@@ -171,21 +173,17 @@ class Trainer:
       check_vma=False,
     )
 
-  def _local_grads(self, ts: TrainState, batch):
-    return self.builder.gradients_and_loss(ts.params[0], ts.state[0], batch)
-
   def _train_step(self, ts: TrainState, batch):
-    grads, loss = self._local_grads(ts, batch)
-    opt_state = jax.tree.map(lambda x: x[0], ts.opt_state)
-    updates, opt_state = self.optimizer.update(grads, opt_state, ts.params[0])
-    params = optax.apply_updates(ts.params[0], updates)
-    new = TrainState(
-      params[None],
-      ts.state,
-      jax.tree.map(lambda x: x[None], opt_state),
-      ts.step + 1,
+    params = _local(ts.params)
+    grads, loss = self.builder.gradients_and_loss(
+      params, _local(ts.state), batch
     )
-    return new, {"loss": loss}, grads[None]
+    updates, opt_state = self.optimizer.update(
+      grads, _local(ts.opt_state), params
+    )
+    params = optax.apply_updates(params, updates)
+    new = TrainState(_rows(params), ts.state, _rows(opt_state), ts.step + 1)
+    return new, {"loss": loss}, _rows(grads)
 
   # Public API.
 
@@ -196,24 +194,17 @@ class Trainer:
 
   def state_from_values(self, values: dict, step: int = 0) -> TrainState:
     """A state from parameter / state values by key ('param:a.b.kernel')."""
-    lay, buf = self.layout, self.buffers
-    params = np.zeros((lay.num_devices, buf.params), np.float32)
-    state = np.zeros((lay.num_devices, buf.state), np.float32)
-    for s in lay.stages:
-      for d in s.devices:
-        params[d] = packing.host_flat(
-          values, s.params, lay.param_shapes, buf.params
-        )
-        state[d] = packing.host_flat(
-          values, s.state, lay.param_shapes, buf.state
-        )
-    params = self._to_rows(params)
-    state = self._to_rows(state)
+    params = self._to_rows(self._host_slots(self.buffers.params, values))
+    state = self._to_rows(self._host_slots(self.buffers.state, values))
     step_array = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
     return TrainState(params, state, self._init_opt(params), step_array)
 
   def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
-    """One optimizer step on `batch` (the plan's batch size)."""
+    """One optimizer step on `batch` (the plan's batch size).
+
+    `state` is consumed (its buffers are donated to the new state): use
+    the returned state from then on.
+    """
     batch = self._device_batch(batch)
     new, metrics, _ = self._step(state, batch)
     loss = float(_first_shard(metrics["loss"]))
@@ -226,6 +217,8 @@ class Trainer:
 
   def loss_and_grads(self, state: TrainState, batch) -> tuple[float, dict]:
     """The pipelined loss and gradients by 'param:' key (no update)."""
+    # The step consumes its state; it gets a copy, so `state` stays usable.
+    state = jax.tree.map(jnp.copy, state)
     _, metrics, grads = self._step(state, self._device_batch(batch))
     return float(_first_shard(metrics["loss"])), self._gather(grads)
 
@@ -288,7 +281,10 @@ class Trainer:
       "graph": graph_fingerprint(self.graph),
       "stages": [list(s.nodes) for s in self.layout.stages],
       "devices": [list(s.devices) for s in self.layout.stages],
-      "buffers": [self.buffers.params, self.buffers.state],
+      "buffers": [
+        list(self.buffers.params.sizes),
+        list(self.buffers.state.sizes),
+      ],
     }
 
   def _abstract_state(self) -> TrainState:
@@ -296,7 +292,7 @@ class Trainer:
       shape, jnp.float32, sharding=self._rows
     )
     num_devices = self.layout.num_devices
-    params = rows((num_devices, self.buffers.params))
+    params = tuple(rows((num_devices, n)) for n in self.buffers.params.sizes)
     opt_state = jax.eval_shape(self._init_opt, params)
     opt_state = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._rows),
@@ -304,7 +300,7 @@ class Trainer:
     )
     return TrainState(
       params,
-      rows((num_devices, self.buffers.state)),
+      tuple(rows((num_devices, n)) for n in self.buffers.state.sizes),
       opt_state,
       jax.ShapeDtypeStruct((), jnp.int32, sharding=self._replicated),
     )
@@ -327,7 +323,7 @@ class Trainer:
     for s in lay.stages:
       for d in s.devices:
         own[d] = 4 * lay.param_size(s.id)
-    held = 4 * buf.params
+    held = 4 * buf.params.total()
     peak = None
     if mem is not None:
       peak = int(
@@ -348,9 +344,22 @@ class Trainer:
 
   # Helpers.
 
-  def _to_rows(self, host: np.ndarray) -> jax.Array:
-    return jax.make_array_from_callback(
-      host.shape, self._rows, lambda i: host[i]
+  def _host_slots(self, layout, values) -> list[np.ndarray]:
+    """Per slot, [devices, slot size]: each device's stage in its row."""
+    host = [
+      np.zeros((self.layout.num_devices, n), np.float32) for n in layout.sizes
+    ]
+    for s in self.layout.stages:
+      stage_slots = slots.host_slots(layout, s.id, values)
+      for d in s.devices:
+        for slot, row in zip(host, stage_slots, strict=True):
+          slot[d] = row
+    return host
+
+  def _to_rows(self, host: list[np.ndarray]) -> tuple:
+    return tuple(
+      jax.make_array_from_callback(x.shape, self._rows, lambda i, x=x: x[i])
+      for x in host
     )
 
   def _device_batch(self, batch):
@@ -381,25 +390,39 @@ class Trainer:
         )
     return out
 
-  def _gather(self, rows: jax.Array) -> dict:
-    """Each stage's flat buffer (from its first device) -> values by key."""
+  def _gather(self, rows: tuple) -> dict:
+    """Each stage's slots (from its first device) -> values by key."""
     from jax.experimental import multihost_utils
 
-    host = np.asarray(
-      multihost_utils.process_allgather(rows, tiled=True)
-      if jax.process_count() > 1
-      else rows
-    )
+    host = [
+      np.asarray(
+        multihost_utils.process_allgather(x, tiled=True)
+        if jax.process_count() > 1
+        else x
+      )
+      for x in rows
+    ]
     out = {}
-    lay = self.layout
-    for s in lay.stages:
-      flat, at = host[s.devices[0]], 0
-      for k in s.params:
-        shape, dtype = lay.param_shapes[k]
-        n = math.prod(shape)
-        out[k[len("param:") :]] = flat[at : at + n].reshape(shape).astype(dtype)
-        at += n
-    return {f"param:{k}": v for k, v in out.items()}
+    for s in self.layout.stages:
+      out.update(
+        slots.host_values(
+          self.buffers.params,
+          s.id,
+          [x[s.devices[0]] for x in host],
+          self.layout.param_shapes,
+        )
+      )
+    return out
+
+
+def _local(tree):
+  """Inside shard_map: this device's row of every leaf."""
+  return jax.tree.map(lambda x: x[0], tree)
+
+
+def _rows(tree):
+  """Inverse of `_local`."""
+  return jax.tree.map(lambda x: x[None], tree)
 
 
 def _key(k) -> str:

@@ -15,7 +15,14 @@ from collections.abc import Callable, Sequence
 from graphpipe.core.stages import Plan, in_flight_counts
 from graphpipe.errors import ScheduleError
 from graphpipe.schedules.checker import check_schedule
-from graphpipe.schedules.grid import BACKWARD, FORWARD, KINDS, Action, Schedule
+from graphpipe.schedules.grid import (
+  BACKWARD,
+  FORWARD,
+  KINDS,
+  Action,
+  Schedule,
+  overlapping,
+)
 
 
 def schedule_for(plan: Plan, kind: str | None = None) -> Schedule:
@@ -46,10 +53,10 @@ def one_f_one_b(plan: Plan) -> Schedule:
   """The greedy 1F1B schedule of a stage DAG: backward as early as possible.
 
   Stage s keeps at most n(s) micro-batches stashed, n(sink) = 1 and
-  n(s) = 1 + max over successors (`in_flight_counts` of
-  `graphpipe.core.stages`, recomputed from the stage DAG). On a chain of p
-  stages this is PipeDream-Flush: stage i (from 1) holds p - i + 1, bubble
-  (p - 1) / (m + p - 1) when balanced.
+  n(s) = 1 + max over successors of n(t) b_t / b_s (`in_flight_counts` of
+  `graphpipe.core.stages`, recomputed from the stage DAG and its sizes). On
+  a chain of p stages with one size this is PipeDream-Flush: stage i (from
+  1) holds p - i + 1, bubble (p - 1) / (m + p - 1) when balanced.
 
   Example:
     >>> plan = graphpipe.plan(capture_zoo("two_branch", "tiny"), 4, 8)
@@ -68,11 +75,13 @@ def one_f_one_b(plan: Plan) -> Schedule:
     dev 2    .  2F0  2B0  2F1  2B1    .
 
   Args:
-    plan: stages (ids in topological order, disjoint device sets, one
-      micro-batch size) and stage edges.
+    plan: stages (ids in topological order, disjoint device sets, sizes
+      that grow along edges by whole multiples) and stage edges.
   """
   num_stages, stage_edges, _ = _layout(plan)
-  in_flight = tuple(in_flight_counts(num_stages, stage_edges))
+  in_flight = tuple(
+    in_flight_counts(num_stages, stage_edges, plan.micro_batch_sizes)
+  )
 
   def pick(stage, forward_ready, backward_ready, forwards, backwards):
     if backward_ready:
@@ -96,23 +105,26 @@ def gpipe(plan: Plan) -> Schedule:
     ['0F0', '0F1', '0B0', '0B1']
 
   Args:
-    plan: stages (ids in topological order, disjoint device sets, one
-      micro-batch size) and stage edges.
+    plan: stages (ids in topological order, disjoint device sets, sizes
+      that grow along edges by whole multiples) and stage edges.
   """
-  num_stages, _, num_microbatches = _layout(plan)
-  in_flight = (num_microbatches,) * num_stages
+  _, _, counts = _layout(plan)
+  in_flight = tuple(counts)
 
   def pick(stage, forward_ready, backward_ready, forwards, backwards):
-    del stage, backwards  # GPipe bounds nothing but the batch
-    if forwards < num_microbatches:
+    del backwards  # GPipe bounds nothing but the batch
+    if forwards < counts[stage]:
       return FORWARD if forward_ready else None
     return BACKWARD if backward_ready else None
 
   return _greedy(plan, "gpipe", in_flight, pick)
 
 
-def _layout(plan: Plan) -> tuple[int, tuple[tuple[int, int], ...], int]:
-  """(num_stages, stage_edges, num_microbatches) of a schedulable plan."""
+def _layout(
+  plan: Plan,
+) -> tuple[int, tuple[tuple[int, int], ...], tuple[int, ...]]:
+  """(num_stages, stage_edges, micro-batches per stage) of a schedulable
+  plan."""
   if not plan.stages:
     raise ScheduleError("the plan has no stages: plan a non-empty graph")
   ids = [s.id for s in plan.stages]
@@ -136,25 +148,27 @@ def _layout(plan: Plan) -> tuple[int, tuple[tuple[int, int], ...], int]:
           "a device runs one stage, give each stage its own devices"
         )
       owner[device] = stage.id
-  sizes = {s.micro_batch_size for s in plan.stages}
-  if len(sizes) > 1:
-    raise ScheduleError(
-      f"stages use different micro-batch sizes {sorted(sizes)}: the "
-      "scheduler needs one micro-batch size for all stages"
-    )
-  (size,) = sizes
-  if size < 1 or plan.batch_size % size:
-    raise ScheduleError(
-      f"batch size {plan.batch_size} is not a positive multiple of the "
-      f"micro-batch size {size}: pick a micro-batch size that divides it"
-    )
+  sizes = plan.micro_batch_sizes
+  for stage, size in zip(plan.stages, sizes, strict=True):
+    if size < 1 or plan.batch_size % size:
+      raise ScheduleError(
+        f"batch size {plan.batch_size} is not a positive multiple of stage "
+        f"{stage.id}'s micro-batch size {size}: pick a micro-batch size "
+        "that divides it"
+      )
   edges = tuple(tuple(e) for e in plan.stage_edges)
   for src, dst in edges:
     if not 0 <= src < dst < len(ids):
       raise ScheduleError(
         f"stage edge {src}->{dst} must go forward between existing stages"
       )
-  return len(ids), edges, plan.batch_size // size
+    if sizes[dst] % sizes[src]:
+      raise ScheduleError(
+        f"stage {dst} takes micro-batches of {sizes[dst]}, not a multiple "
+        f"of stage {src}'s {sizes[src]}: sizes may only grow along stage "
+        "edges, by whole multiples"
+      )
+  return len(ids), edges, tuple(plan.batch_size // b for b in sizes)
 
 
 # pick(stage, forward ready, backward ready, forwards run, backwards run)
@@ -171,40 +185,49 @@ def _greedy(
 
     for tick = 0, 1, ...:                   # until every action has run
       for stage from the last to the first: # the paper's sink-to-source order
-        F ready = its next forward's micro-batch left every predecessor
-                  before this tick
-        B ready = its next backward's micro-batch came back from every
-                  successor and its own forward ran, before this tick
+        F ready = its next forward's inputs (every predecessor micro-batch
+                  it overlaps) left every predecessor before this tick
+        B ready = its next backward's gradients (from the successor
+                  micro-batch it is part of) came back from every successor
+                  and its own forward ran, before this tick
         pick(stage, F ready, B ready, #F run, #B run) -> 'F', 'B', idle
         run it on every device of the stage at this tick
 
   Forwards and backwards each go in micro-batch order. Because readiness
   only looks at earlier ticks, a tick where no stage can act would repeat
-  forever; that cannot happen for the two pickers here (n(s) > n(t) along
-  every edge s -> t) and is reported as a bug if it does.
+  forever; that cannot happen for the two pickers here (n(s) b_s > n(t)
+  b_t along every edge s -> t) and is reported as a bug if it does.
   """
-  num_stages, edges, num_microbatches = _layout(plan)
+  num_stages, edges, counts = _layout(plan)
   preds = [[a for a, b in edges if b == s] for s in range(num_stages)]
   succs = [[b for a, b in edges if a == s] for s in range(num_stages)]
   done: dict[Action, int] = {}
   next_forward = [0] * num_stages
   next_backward = [0] * num_stages
+  total = 2 * sum(counts)
 
   def before(action, tick):
     return done.get(action, tick) < tick
 
+  def all_before(stage, kind, microbatch, others, tick):
+    return all(
+      before(Action(o, kind, i), tick)
+      for o in others
+      for i in overlapping(microbatch, counts[stage], counts[o])
+    )
+
   tick = 0
-  while len(done) < 2 * num_stages * num_microbatches:
+  while len(done) < total:
     ran = False
     for stage in reversed(range(num_stages)):
       f, b = next_forward[stage], next_backward[stage]
-      forward_ready = f < num_microbatches and all(
-        before(Action(p, FORWARD, f), tick) for p in preds[stage]
+      forward_ready = f < counts[stage] and all_before(
+        stage, FORWARD, f, preds[stage], tick
       )
       backward_ready = (
         b < f
         and before(Action(stage, FORWARD, b), tick)
-        and all(before(Action(s, BACKWARD, b), tick) for s in succs[stage])
+        and all_before(stage, BACKWARD, b, succs[stage], tick)
       )
       choice = pick(stage, forward_ready, backward_ready, f, b)
       if choice == FORWARD:
@@ -217,7 +240,7 @@ def _greedy(
     if not ran:
       raise ScheduleError(
         f"the {kind} scheduler is stuck at step {tick} with "
-        f"{len(done)} of {2 * num_stages * num_microbatches} actions "
+        f"{len(done)} of {total} actions "
         "placed: this is a bug in graphpipe.schedules, please report it "
         "with the plan"
       )
@@ -228,11 +251,12 @@ def _greedy(
       grid[device][at] = action
   schedule = Schedule(
     kind=kind,
-    num_microbatches=num_microbatches,
+    num_microbatches=max(counts),
     stage_devices=tuple(tuple(s.devices) for s in plan.stages),
     stage_edges=edges,
     in_flight=tuple(in_flight),
     grid=tuple(tuple(row) for row in grid),
+    stage_microbatches=counts if len(set(counts)) > 1 else (),
   )
   check_schedule(schedule)
   return schedule

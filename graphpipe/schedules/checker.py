@@ -20,13 +20,16 @@ def check_schedule(schedule: Schedule) -> None:
   """Raises `ScheduleError` unless `schedule` obeys the pipeline rules.
 
   The rules: each action runs on the devices of its stage, the same tick on
-  all of them; every stage runs each micro-batch's forward and backward
-  exactly once; a forward runs after the forwards of that micro-batch on all
-  predecessor stages; a backward runs after its own forward and after the
-  backwards of that micro-batch on all successor stages; a stage never
-  stashes more than its `in_flight` micro-batches (forwards run whose
-  backward has not). The error names the rule, prints the device x step
-  grid with the offending cell in brackets and says how to fix it.
+  all of them; every stage runs each of its micro-batches' forward and
+  backward exactly once; a forward runs after the forwards of the
+  micro-batches it reads on all predecessor stages; a backward runs after
+  its own forward and after the backwards of the micro-batches it belongs
+  to on all successor stages (with per-stage sizes, "the micro-batches it
+  reads / belongs to" are those sharing samples with it,
+  `graphpipe.schedules.grid.overlapping`); a stage never stashes more than
+  its `in_flight` micro-batches (forwards run whose backward has not). The
+  error names the rule, prints the device x step grid with the offending
+  cell in brackets and says how to fix it.
 
   Example:
     >>> import dataclasses
@@ -53,7 +56,6 @@ def check_schedule(schedule: Schedule) -> None:
     schedule: the schedule to check.
   """
   num_stages = schedule.num_stages
-  m = schedule.num_microbatches
   fix = (
     "Build schedules with graphpipe.schedules.one_f_one_b(plan) or "
     "gpipe(plan), or move the marked action."
@@ -63,12 +65,15 @@ def check_schedule(schedule: Schedule) -> None:
     grid = format_grid(schedule, mark=(device, tick), max_steps=40)
     raise ScheduleError(f"{problem}\n{grid}\n{fix}")
 
-  if len(schedule.in_flight) != num_stages or any(
-    len(row) != schedule.num_ticks for row in schedule.grid
+  if (
+    len(schedule.in_flight) != num_stages
+    or any(len(row) != schedule.num_ticks for row in schedule.grid)
+    or schedule.stage_microbatches
+    and len(schedule.stage_microbatches) != num_stages
   ):
     raise ScheduleError(
-      "malformed schedule: one in-flight bound per stage and equally long "
-      "device rows are required"
+      "malformed schedule: one in-flight bound (and one micro-batch count, "
+      "if any) per stage and equally long device rows are required"
     )
   for device, row in enumerate(schedule.grid):
     for tick, action in enumerate(row):
@@ -77,11 +82,16 @@ def check_schedule(schedule: Schedule) -> None:
       if not (
         0 <= action.stage < num_stages
         and action.kind in (FORWARD, BACKWARD)
-        and 0 <= action.microbatch < m
+        and 0 <= action.microbatch < schedule.microbatches(action.stage)
       ):
+        count = (
+          schedule.microbatches(action.stage)
+          if 0 <= action.stage < num_stages
+          else schedule.num_microbatches
+        )
         fail(
           f"{action} at step {tick} on device {device} is not an action of "
-          f"this schedule ({num_stages} stages, {m} micro-batches)",
+          f"this schedule ({num_stages} stages, {count} micro-batches)",
           device,
           tick,
         )
@@ -119,7 +129,7 @@ def check_schedule(schedule: Schedule) -> None:
         )
       at[action] = tick
     for kind in (FORWARD, BACKWARD):
-      for microbatch in range(m):
+      for microbatch in range(schedule.microbatches(stage)):
         if Action(stage, kind, microbatch) not in at:
           tick = next(
             (
@@ -141,11 +151,17 @@ def check_schedule(schedule: Schedule) -> None:
     for tick, action in schedule.stage_actions(stage):
       k = action.microbatch
       if action.kind == FORWARD:
-        needs = [Action(p, FORWARD, k) for p in schedule.predecessors(stage)]
+        needs = [
+          Action(p, FORWARD, i)
+          for p in schedule.predecessors(stage)
+          for i in schedule.inputs(stage, k, p)
+        ]
         rule = "a forward runs after its predecessors' forwards"
       else:
         needs = [Action(stage, FORWARD, k)] + [
-          Action(s, BACKWARD, k) for s in schedule.successors(stage)
+          Action(s, BACKWARD, i)
+          for s in schedule.successors(stage)
+          for i in schedule.inputs(stage, k, s)
         ]
         rule = (
           "a backward runs after its own forward and its successors' backwards"
@@ -155,7 +171,7 @@ def check_schedule(schedule: Schedule) -> None:
           fail(
             f"{action} at step {tick} on device {devices[0]} runs before "
             f"{need} (step {at[need]}) finished: {rule} of the same "
-            "micro-batch, at a later step",
+            "samples, at a later step",
             devices[0],
             tick,
           )

@@ -9,6 +9,17 @@ row read left to right is its ordered action list; an action's column is its
 global step, which a runtime turns into the arrays its `lax.scan` reads.
 What an action produces at tick t may be read from tick t + 1 on.
 
+Per-stage micro-batch sizes. A stage's actions count its own micro-batches:
+stage s runs `microbatches(s)` = M_s of them, and its micro-batch j is the
+j-th slice of M_s equal slices of the mini-batch. Across a stage edge the
+two ends' micro-batches map by overlap (`overlapping`): when a stage runs k
+times fewer micro-batches than its predecessor (k times larger), its
+forward j reads the predecessor's micro-batches jk .. jk + k - 1, and its
+backward j returns their gradients in k pieces, one per predecessor
+micro-batch; the predecessor's backward i then waits for the piece of the
+successor's backward i // k. This is all a runtime needs to execute such a
+schedule: the counts, the edges and each device's ordered actions.
+
 `graphpipe.schedules.builders` makes schedules for a plan (1F1B, GPipe);
 `graphpipe.schedules.checker` refuses a wrong one with the grid printed and
 the bad cell marked.
@@ -41,7 +52,7 @@ class Action:
   Args:
     stage: the stage id.
     kind: 'F' (forward) or 'B' (backward).
-    microbatch: the micro-batch index, 0 .. num_microbatches - 1.
+    microbatch: the micro-batch index, 0 .. M - 1 for a stage running M.
   """
 
   stage: int
@@ -66,6 +77,26 @@ class Action:
 Grid = tuple[tuple[Action | None, ...], ...]
 
 
+def overlapping(microbatch: int, count: int, other: int) -> range:
+  """The micro-batches of a stage running `other` per iteration that share
+  samples with micro-batch `microbatch` of a stage running `count`.
+
+  Example:
+    >>> list(overlapping(1, 2, 8))     # a 4x larger micro-batch ...
+    [4, 5, 6, 7]
+    >>> list(overlapping(5, 8, 2))     # ... and the one a small one is in
+    [1]
+
+  Args:
+    microbatch: the micro-batch index, 0 .. count - 1.
+    count: micro-batches of its stage per iteration.
+    other: micro-batches of the other stage per iteration.
+  """
+  first = microbatch * other // count
+  last = ((microbatch + 1) * other - 1) // count
+  return range(first, last + 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   """Per device, the action it runs at each tick (None: idle).
@@ -86,12 +117,16 @@ class Schedule:
 
   Args:
     kind: '1f1b' or 'gpipe' (or any name for a hand-made schedule).
-    num_microbatches: micro-batches per iteration.
+    num_microbatches: micro-batches per iteration (of the stage that runs
+      the most, when they differ).
     stage_devices: per stage, the devices running it.
     stage_edges: (src stage, dst stage) pairs of the stage DAG.
     in_flight: per stage, the most micro-batches it may keep stashed.
     grid: grid[device][tick], the action or None; every row as long as
       the schedule.
+    stage_microbatches: per stage, the micro-batches it runs when stages
+      use different micro-batch sizes (module docstring); empty: every
+      stage runs `num_microbatches`.
   """
 
   kind: str
@@ -100,10 +135,25 @@ class Schedule:
   stage_edges: tuple[tuple[int, int], ...]
   in_flight: tuple[int, ...]
   grid: Grid
+  stage_microbatches: tuple[int, ...] = ()
 
   @property
   def num_stages(self) -> int:
     return len(self.stage_devices)
+
+  def microbatches(self, stage: int) -> int:
+    """Micro-batches `stage` runs per iteration."""
+    if self.stage_microbatches:
+      return self.stage_microbatches[stage]
+    return self.num_microbatches
+
+  def inputs(self, stage: int, microbatch: int, neighbour: int) -> range:
+    """Micro-batches of `neighbour` sharing samples with `microbatch` of
+    `stage` (its inputs for a predecessor, the gradients it waits for
+    from a successor)."""
+    return overlapping(
+      microbatch, self.microbatches(stage), self.microbatches(neighbour)
+    )
 
   @property
   def num_devices(self) -> int:
@@ -142,9 +192,12 @@ class Schedule:
 
   def __str__(self) -> str:
     in_flight = ",".join(str(n) for n in self.in_flight)
+    counts = f"{self.num_microbatches}"
+    if self.stage_microbatches:
+      counts = ",".join(str(m) for m in self.stage_microbatches)
     return (
       f"{self.kind} schedule: {self.num_stages} stages, "
-      f"{self.num_microbatches} micro-batches, {self.num_ticks} steps, "
+      f"{counts} micro-batches, {self.num_ticks} steps, "
       f"in flight {in_flight}\n{format_grid(self, max_steps=32)}"
     )
 
@@ -164,7 +217,12 @@ class Schedule:
       "num_ticks": self.num_ticks,
       "num_devices": self.num_devices,
       "stages": [
-        {"id": s, "devices": list(d), "in_flight": n}
+        {
+          "id": s,
+          "devices": list(d),
+          "in_flight": n,
+          "microbatches": self.microbatches(s),
+        }
         for s, (d, n) in enumerate(
           zip(self.stage_devices, self.in_flight, strict=True)
         )
@@ -188,9 +246,18 @@ class Schedule:
         stage_edges=tuple(tuple(e) for e in data["stage_edges"]),
         in_flight=tuple(s["in_flight"] for s in data["stages"]),
         grid=tuple(tuple(row) for row in grid),
+        stage_microbatches=_stage_counts(data),
       )
     except (KeyError, IndexError, TypeError, ValueError) as err:
       raise ScheduleError(f"not a graphpipe schedule: {err!r}") from err
+
+
+def _stage_counts(data: dict) -> tuple[int, ...]:
+  """Per-stage micro-batch counts of a schedule dict, () when uniform."""
+  counts = tuple(
+    s.get("microbatches", data["num_microbatches"]) for s in data["stages"]
+  )
+  return counts if len(set(counts)) > 1 else ()
 
 
 def format_grid(

@@ -8,17 +8,21 @@ there, and lasts the sum of its nodes' times at the per-device micro-batch:
   forward  s, k: after the activations of micro-batch k arrived from every
                  predecessor stage;
   backward s, k: after its own forward of k, and after the gradients of k
-                 arrived from every successor stage.
+                 arrived from every successor stage
+(with per-stage sizes, "of k" means of the samples of s's micro-batch k).
 
 When an action ends, its outputs (activations forward, activation gradients
 backward) leave for each neighbouring stage: one transfer per pair of
 sending and receiving devices (a stage edge between |D1| and |D2| devices
 uses max(|D1|, |D2|) pairs, each carrying its share of edge bytes x
 micro-batch). Transfers overlap with compute, but each directed device link
-sends one transfer at a time, in order. After its last backward a
-data-parallel stage all-reduces its gradients over its devices, then every
-device runs the optimizer step; the iteration ends when the last device
-finishes.
+sends one transfer at a time, in order. With per-stage micro-batch sizes
+(`graphpipe.core.stages`) a transfer carries the smaller end's
+micro-batch: a stage k times larger than its predecessor waits for k of
+its forwards, and its backward returns the gradients in k pieces. After
+its last backward a data-parallel stage all-reduces its gradients over its
+devices, then every device runs the optimizer step; the iteration ends
+when the last device finishes.
 
 Since every device's order is fixed, processing the actions by schedule tick
 (each action's dependencies and device predecessor have smaller ticks) gives
@@ -38,7 +42,13 @@ from graphpipe.costs.analytic import AnalyticCostModel, device_spec
 from graphpipe.errors import SimulationError
 from graphpipe.schedules.builders import schedule_for
 from graphpipe.schedules.checker import check_schedule
-from graphpipe.schedules.grid import BACKWARD, FORWARD, Action, Schedule
+from graphpipe.schedules.grid import (
+  BACKWARD,
+  FORWARD,
+  Action,
+  Schedule,
+  overlapping,
+)
 from graphpipe.simulator import timeline
 
 _BUSY = ("forward", "backward", "allreduce", "optimizer")
@@ -212,12 +222,15 @@ def simulate(
   arrival: dict[Action, float] = {}
   finish: dict[Action, float] = {}
 
-  def send(action, src, dst):
-    """Transfers `action`'s outputs from stage src to dst; returns arrival."""
+  counts = plan.stage_microbatches
+
+  def send(action, src, dst, samples):
+    """Transfers `samples` of `action`'s outputs from stage src to dst;
+    returns their arrival."""
     per_sample, fixed = edge_bytes.get(
       (min(src, dst), max(src, dst)), (0.0, 0.0)
     )
-    total = per_sample * plan.stages[src].micro_batch_size + fixed
+    total = per_sample * samples + fixed
     senders, receivers = plan.stages[src].devices, plan.stages[dst].devices
     pairs = max(len(senders), len(receivers))
     latest = finish[action]
@@ -272,11 +285,19 @@ def simulate(
       neighbours = plan.predecessors(stage)
     tick_end = max(tick_end, finish[action])
     for other in neighbours:
-      needed_by = Action(other, action.kind, k)
-      arrival[needed_by] = max(
-        arrival.get(needed_by, 0.0), send(action, stage, other)
+      # One transfer per micro-batch of the other end that shares samples
+      # with this one (k pieces back to a k times smaller predecessor).
+      pieces = overlapping(k, counts[stage], counts[other])
+      samples = min(
+        plan.stages[stage].micro_batch_size,
+        plan.stages[other].micro_batch_size,
       )
-      tick_end = max(tick_end, arrival[needed_by])
+      for i in pieces:
+        needed_by = Action(other, action.kind, i)
+        arrival[needed_by] = max(
+          arrival.get(needed_by, 0.0), send(action, stage, other, samples)
+        )
+        tick_end = max(tick_end, arrival[needed_by])
 
   if lockstep:  # the scan ends for every device at once
     stage_free = [tick_end] * num_stages
@@ -399,12 +420,13 @@ def _check_fit(plan: Plan, graph: OpGraph, schedule: Schedule) -> None:
   same = (
     schedule.stage_devices == tuple(tuple(s.devices) for s in plan.stages)
     and set(schedule.stage_edges) == set(map(tuple, plan.stage_edges))
-    and schedule.num_microbatches == plan.num_microbatches
+    and tuple(schedule.microbatches(s) for s in range(plan.num_stages))
+    == plan.stage_microbatches
   )
   if not same:
     raise SimulationError(
       "the schedule was built for another plan (stages, devices, edges or "
-      "micro-batch count differ): build it with schedule_for(plan)"
+      "micro-batch counts differ): build it with schedule_for(plan)"
     )
 
 

@@ -25,6 +25,9 @@ COVER = [
   ("transformer", 8, "gpipe"),
   ("two_tower", 4, "graphpipe"),
   ("two_tower", 1, "sequential"),
+  # Piper plans the two-branch model (few down-sets); it gives up on the
+  # many-branch ones, so it is not in the full matrix.
+  ("two_branch", 4, "piper"),
 ]
 FULL = [
   (m, d, p)

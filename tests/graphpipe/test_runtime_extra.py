@@ -10,7 +10,7 @@ import pytest
 
 from graphpipe.core.stages import Plan, Stage
 from graphpipe.errors import GraphpipeError
-from graphpipe.runtime import Trainer
+from graphpipe.runtime import Trainer, slots
 from graphpipe.runtime.launch import launch
 from tests.graphpipe import runtime_cases as rc
 
@@ -83,13 +83,20 @@ def test_memory_report_and_parameter_placement():
     assert own < total / 2  # no device holds the whole model
     assert held <= 1.1 * own  # balanced stages: padding within 10%
   assert report["peak_memory_bytes"] > 0
-  # Each device's row of the state is its own stage's parameters.
-  rows = np.asarray(state.params)
+  # Each device's slots hold its own stage's parameters.
+  rows = [np.asarray(x) for x in state.params]
   values = graph.program.variable_values(model)
   for s in trainer.layout.stages:
-    first = values[s.params[0]].reshape(-1)
     for d in s.devices:
-      np.testing.assert_array_equal(rows[d, : first.size], first)
+      held_values = slots.host_values(
+        trainer.buffers.params,
+        s.id,
+        [r[d] for r in rows],
+        trainer.layout.param_shapes,
+      )
+      assert sorted(held_values) == sorted(s.params)
+      for k, v in held_values.items():
+        np.testing.assert_array_equal(v, np.asarray(values[k]))
 
 
 def test_bad_inputs():

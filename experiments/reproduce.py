@@ -1,0 +1,473 @@
+"""The GraphPipe evaluation of PAPERS.md, simulated, in one command.
+
+  python -m experiments.reproduce --out=DIR
+
+Every configuration is planned by each planner and simulated under the V100
+analytic cost model (the paper's Summit nodes: 4 V100s, NVLink, InfiniBand
+between nodes), at the zoo's paper configs and batch sizes
+(`graphpipe.models.default_batch_size`: 4-GPU-node batches scaled with the
+devices). Figures, each a key of DIR/results.json, a PNG and a table of
+DIR/REPRODUCTION.md beside the paper's numbers:
+
+  throughput    samples/s against devices (4-32) for mmt, dlrm and
+                candle_uno with graphpipe, sequential and piper
+  branch_sweep  CANDLE-Uno with 2, 4, 8 and 16 branches at 32 devices
+  ablation      at 32 devices, GraphPipe at the sequential plan's
+                micro-batch size (concurrency only) and with its own, over
+                sequential
+  search_time   each planner's search time per model at 32 devices
+  case_study    the two-branch transformer on 8 devices (batch 8), and the
+                paper's two plans (8 stages of one block) in our cost model
+  parity        the sequential transformer, graphpipe / sequential
+  per_stage     GraphPipe with per-stage micro-batch sizes against one size
+  pipedream_check  PipeDream's published DP (`experiments.pipedream`)
+                against `sequential` for mmt, candle_uno and transformer at
+                4, 8 and 16 devices
+
+The report's text is generated from the numbers (`experiments.
+reproduction_report`), so it never goes stale. About 10 minutes on the
+2-core development machine, most of it Piper exhausting its budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from absl import app, flags
+
+from experiments import (
+  common,
+  paper,
+  pipedream,
+  reproduction_figures,
+  reproduction_report,
+)
+from graphpipe import capture, models, plan, simulate
+from graphpipe.costs import AnalyticCostModel, device_spec
+from graphpipe.errors import GraphpipeError, PlanError
+from graphpipe.planning.piper import PIPER_BUDGET
+
+PLANNERS = ("graphpipe", "sequential", "piper")
+BASELINES = ("sequential", "piper")
+MODELS = ("mmt", "dlrm", "candle_uno")
+
+
+@dataclasses.dataclass
+class Setup:
+  """What every run of the reproduction shares.
+
+  Attributes:
+    config: zoo size, 'paper' (or 'tiny' for a smoke run).
+    devices: device counts of the throughput figure.
+    sweep_devices: the device count of the branch sweep, the ablation,
+      the search times.
+    branches: CANDLE-Uno branch counts of the sweep.
+    device: the device preset.
+    piper_budget: stages Piper may price per search.
+    graphs: captured graphs, by model name or (name, branches); filled as
+      the run captures them (tests pass synthetic ones).
+  """
+
+  config: str = "paper"
+  devices: tuple[int, ...] = (4, 8, 16, 32)
+  sweep_devices: int = 32
+  branches: tuple[int, ...] = (2, 4, 8, 16)
+  device: str = "v100"
+  piper_budget: int = PIPER_BUDGET
+  graphs: dict = dataclasses.field(default_factory=dict)
+
+  def cost_model(self):
+    return AnalyticCostModel(device_spec(self.device))
+
+  def graph(self, name: str, branches: int | None = None):
+    """The graph of a zoo model (CANDLE-Uno with `branches` branches)."""
+    key = name if branches is None else (name, branches)
+    if key not in self.graphs:
+      start = time.perf_counter()
+      if branches is None:
+        self.graphs[key] = models.capture_zoo(name, self.config)
+      else:
+        spec = models.get(name)
+        cfg = dataclasses.replace(
+          models.config(name, self.config), num_branches=branches
+        )
+        self.graphs[key] = capture(
+          spec.loss_fn,
+          models.build(name, cfg, abstract=True),
+          spec.abstract_batch(cfg, 8),
+          granularity=spec.capture_depth,
+          name=name,
+          config=f"{self.config}, {branches} branches",
+        )
+      common.log(
+        f"captured {key}: {len(self.graphs[key].nodes)} nodes in "
+        f"{time.perf_counter() - start:.1f} s"
+      )
+    return self.graphs[key]
+
+
+def run_planner(
+  setup: Setup, graph, name: str, devices: int, planner: str, **options
+) -> dict:
+  """Plans and simulates one configuration; a row of the results."""
+  batch = models.default_batch_size(name, devices)
+  row = {
+    "model": name,
+    "num_devices": devices,
+    "planner": planner,
+    "batch_size": batch,
+  }
+  start = time.perf_counter()
+  try:
+    p = plan(
+      graph,
+      devices,
+      batch,
+      planner=planner,
+      device=setup.device,
+      piper_budget=setup.piper_budget,
+      **options,
+    )
+  except PlanError as err:
+    row.update(error=str(err), search_time_s=time.perf_counter() - start)
+    return row
+  report = simulate(p, graph, setup.cost_model())
+  row.update(common.plan_summary(p, report))
+  row["micro_batch_sizes"] = list(p.micro_batch_sizes)
+  row["devices_per_stage"] = [len(s.devices) for s in p.stages]
+  row["plan"] = p
+  return row
+
+
+def _public(rows: list[dict]) -> list[dict]:
+  return [{k: v for k, v in r.items() if k != "plan"} for r in rows]
+
+
+def speedups(rows: list[dict], key: str) -> list[dict]:
+  """Per `key` value: graphpipe over sequential and over the best baseline."""
+  by = {}
+  for r in rows:
+    if "error" not in r:
+      by.setdefault(r[key], {})[r["planner"]] = r["throughput_samples_per_s"]
+  out = []
+  for value, speeds in by.items():
+    base = {b: speeds[b] for b in BASELINES if b in speeds}
+    best = max(base, key=base.get) if base else None
+    ours = speeds.get("graphpipe")
+    out.append(
+      {
+        key: value,
+        "throughput": speeds,
+        "best_baseline": best,
+        "graphpipe_over_best_baseline": ours / base[best]
+        if ours and best
+        else None,
+        "graphpipe_over_sequential": ours / speeds["sequential"]
+        if ours and "sequential" in speeds
+        else None,
+      }
+    )
+  return out
+
+
+def throughput(setup: Setup, progress) -> dict:
+  rows = []
+  for name in MODELS:
+    graph = setup.graph(name)
+    for devices in setup.devices:
+      for planner in PLANNERS:
+        rows.append(run_planner(setup, graph, name, devices, planner))
+        progress.step(_note(rows[-1]))
+  out = {"rows": rows, "speedup": []}
+  for name in MODELS:
+    for entry in speedups(
+      [r for r in rows if r["model"] == name], "num_devices"
+    ):
+      out["speedup"].append({"model": name, **entry})
+  return out
+
+
+def branch_sweep(setup: Setup, progress) -> dict:
+  rows = []
+  for branches in setup.branches:
+    graph = setup.graph("candle_uno", branches)
+    for planner in PLANNERS:
+      row = run_planner(
+        setup, graph, "candle_uno", setup.sweep_devices, planner
+      )
+      row["branches"] = branches
+      rows.append(row)
+      progress.step(f"{branches} branches: " + _note(row))
+  heaviest = {
+    branches: max(
+      n.param_bytes for n in setup.graph("candle_uno", branches).nodes
+    )
+    for branches in setup.branches
+  }
+  return {
+    "rows": rows,
+    "speedup": speedups(rows, "branches"),
+    "largest_layer_bytes": heaviest,
+  }
+
+
+def ablation(setup: Setup, through: dict, progress) -> dict:
+  """GraphPipe at sequential's micro-batch size (concurrency only)."""
+  out = []
+  for name in MODELS:
+    found = {
+      r["planner"]: r
+      for r in through["rows"]
+      if r["model"] == name and r["num_devices"] == setup.sweep_devices
+    }
+    seq, ours = found.get("sequential"), found.get("graphpipe")
+    if not seq or "error" in seq or not ours or "error" in ours:
+      continue
+    only = run_planner(
+      setup,
+      setup.graph(name),
+      name,
+      setup.sweep_devices,
+      "graphpipe",
+      micro_batch_sizes=[seq["micro_batch_size"]],
+    )
+    progress.step(f"{name} concurrency only: " + _note(only))
+    base = seq["throughput_samples_per_s"]
+    out.append(
+      {
+        "model": name,
+        "num_devices": setup.sweep_devices,
+        "sequential_micro_batch_size": seq["micro_batch_size"],
+        "graphpipe_micro_batch_size": ours["micro_batch_size"],
+        "concurrency_only": only.get("throughput_samples_per_s", 0) / base,
+        "concurrency_and_micro_batch": ours["throughput_samples_per_s"] / base,
+        "concurrency_only_depth": only.get("depth"),
+        "sequential_depth": seq["depth"],
+      }
+    )
+  return {"rows": out}
+
+
+def search_time(setup: Setup, through: dict) -> dict:
+  rows = [
+    {
+      "model": r["model"],
+      "planner": r["planner"],
+      "search_time_s": r["search_time_s"],
+      "found_plan": "error" not in r,
+    }
+    for r in through["rows"]
+    if r["num_devices"] == setup.sweep_devices
+  ]
+  return {"num_devices": setup.sweep_devices, "rows": rows}
+
+
+def case_study(setup: Setup, progress) -> dict:
+  """The two-branch transformer on 8 devices, and the paper's plans."""
+  graph = setup.graph("two_branch")
+  rows = []
+  for planner in PLANNERS:
+    rows.append(run_planner(setup, graph, "two_branch", 8, planner))
+    progress.step("case study: " + _note(rows[-1]))
+  plans = paper.case_study_plans(graph)
+  model = setup.cost_model()
+  timed = {
+    kind: {
+      "depth": p.depth,
+      "num_stages": p.num_stages,
+      "micro_batch_size": p.micro_batch_size,
+      "throughput_samples_per_s": simulate(
+        p, graph, model
+      ).throughput_samples_per_s,
+    }
+    for kind, p in plans.items()
+  }
+  return {
+    "rows": rows,
+    "speedup": speedups(rows, "model"),
+    "paper_plans": timed,
+  }
+
+
+def parity(setup: Setup, progress) -> dict:
+  graph = setup.graph("transformer")
+  rows = []
+  for devices in setup.devices:
+    for planner in PLANNERS:
+      rows.append(run_planner(setup, graph, "transformer", devices, planner))
+      progress.step("parity: " + _note(rows[-1]))
+  return {"rows": rows, "speedup": speedups(rows, "num_devices")}
+
+
+def per_stage(setup: Setup, through: dict, progress) -> dict:
+  out = []
+  for name in MODELS:
+    for devices in setup.devices:
+      uniform = next(
+        (
+          r
+          for r in through["rows"]
+          if (r["model"], r["num_devices"], r["planner"])
+          == (name, devices, "graphpipe")
+        ),
+        None,
+      )
+      if uniform is None or "error" in uniform:
+        continue
+      sized = run_planner(
+        setup,
+        setup.graph(name),
+        name,
+        devices,
+        "graphpipe",
+        per_stage_micro_batches=True,
+      )
+      progress.step("per-stage sizes: " + _note(sized))
+      if "error" in sized:
+        continue
+      out.append(
+        {
+          "model": name,
+          "num_devices": devices,
+          "uniform": uniform["throughput_samples_per_s"],
+          "per_stage": sized["throughput_samples_per_s"],
+          "micro_batch_sizes": sorted(set(sized["micro_batch_sizes"])),
+          "speedup": sized["throughput_samples_per_s"]
+          / uniform["throughput_samples_per_s"],
+        }
+      )
+  return {"rows": out}
+
+
+def pipedream_check(setup: Setup, through: dict, par: dict, progress) -> dict:
+  """PipeDream's partitions against the sequential plans already made."""
+  rows = []
+  model = setup.cost_model()
+  made = {
+    (r["model"], r["num_devices"]): r
+    for r in through["rows"] + par["rows"]
+    if r["planner"] == "sequential" and "plan" in r
+  }
+  for name in ("mmt", "candle_uno", "transformer"):
+    for devices in [d for d in setup.devices if d <= 16]:
+      ours = made.get((name, devices))
+      if ours is None:
+        continue
+      found = pipedream.check(
+        setup.graph(name), devices, ours["batch_size"], model, ours["plan"]
+      )
+      row = dataclasses.asdict(found)
+      row["model"] = name
+      row["pipedream_speedup"] = found.pipedream_speedup
+      row["passes"] = found.pipedream_speedup <= 1.02
+      rows.append(row)
+      progress.step(
+        f"PipeDream {name} {devices}: {found.pipedream_speedup:.3f} of "
+        "sequential"
+      )
+  return {"rows": rows}
+
+
+def _note(row: dict) -> str:
+  head = f"{row['model']} {row['num_devices']} {row['planner']}"
+  if "error" in row:
+    return f"{head}: no plan ({row['search_time_s']:.1f} s)"
+  return (
+    f"{head}: {row['throughput_samples_per_s']:.4g} samples/s, "
+    f"{row['num_stages']} stages, depth {row['depth']}, "
+    f"b={row['micro_batch_size']}, search {row['search_time_s']:.1f} s"
+  )
+
+
+def run(setup: Setup, out: str, plots: bool = True) -> dict:
+  """Every figure (module docstring); writes DIR's files; the results."""
+  start = time.perf_counter()
+  steps = (
+    len(MODELS) * len(setup.devices) * (len(PLANNERS) + 1)
+    + len(setup.branches) * len(PLANNERS)
+    + len(MODELS)
+    + len(PLANNERS) * (1 + len(setup.devices))
+    + 3 * len([d for d in setup.devices if d <= 16])
+  )
+  progress = common.Progress(steps, "configuration")
+  through = throughput(setup, progress)
+  results = {"throughput": through}
+  results["branch_sweep"] = branch_sweep(setup, progress)
+  results["ablation"] = ablation(setup, through, progress)
+  results["search_time"] = search_time(setup, through)
+  results["case_study"] = case_study(setup, progress)
+  results["parity"] = parity(setup, progress)
+  results["per_stage"] = per_stage(setup, through, progress)
+  results["pipedream_check"] = pipedream_check(
+    setup, through, results["parity"], progress
+  )
+  for key in ("throughput", "branch_sweep", "case_study", "parity"):
+    results[key]["rows"] = _public(results[key]["rows"])
+  results["paper"] = paper.PAPER
+  results["config"] = {
+    "config": setup.config,
+    "devices": list(setup.devices),
+    "sweep_devices": setup.sweep_devices,
+    "branches": list(setup.branches),
+    "device": setup.device,
+    "piper_budget": setup.piper_budget,
+    "batch_size": "graphpipe.models.default_batch_size",
+  }
+  results["run_time_s"] = time.perf_counter() - start
+  os.makedirs(out, exist_ok=True)
+  results["figures"] = reproduction_figures.draw(results, out) if plots else []
+  with open(os.path.join(out, "REPRODUCTION.md"), "w") as f:
+    f.write(reproduction_report.markdown(results))
+  common.write_results(out, results)
+  return results
+
+
+def define_flags() -> None:
+  """This experiment's flags (defined when run, so tests import freely)."""
+  common.define_flags()
+  flags.DEFINE_string("out", None, "Output folder.", required=True)
+  flags.DEFINE_enum("config", "paper", models.SIZES, "Zoo model size.")
+  flags.DEFINE_list("devices", ["4", "8", "16", "32"], "Device counts.")
+  flags.DEFINE_integer(
+    "sweep_devices", 32, "Devices of the branch sweep, ablation, search time."
+  )
+  flags.DEFINE_list("branches", ["2", "4", "8", "16"], "CANDLE-Uno branches.")
+  flags.DEFINE_string("device", "v100", "Device preset.")
+  flags.DEFINE_integer(
+    "piper_budget", PIPER_BUDGET, "Stages Piper may price per search."
+  )
+  flags.DEFINE_bool("plots", True, "Draw the PNGs (needs matplotlib).")
+
+
+def main(argv):
+  common.start(argv)
+  options = flags.FLAGS
+  try:
+    setup = Setup(
+      config=options.config,
+      devices=tuple(int(d) for d in options.devices),
+      sweep_devices=options.sweep_devices,
+      branches=tuple(int(b) for b in options.branches),
+      device=options.device,
+      piper_budget=options.piper_budget,
+    )
+  except ValueError as err:
+    raise app.UsageError(
+      f"--devices and --branches take integers: {err}"
+    ) from err
+  try:
+    results = run(setup, options.out, options.plots)
+  except GraphpipeError as err:
+    raise SystemExit(f"experiments.reproduce: {err}") from err
+  print(reproduction_report.summary(results))
+  print(
+    f"wrote {options.out}/results.json and REPRODUCTION.md in "
+    f"{results['run_time_s'] / 60:.1f} min"
+  )
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

@@ -1,0 +1,336 @@
+"""Local search around the DPs' plans: the neighbours a DP cannot see.
+
+  refined = refine(graph, partition, num_devices, estimate, busy)
+
+The DPs minimise the bottleneck stage's time per sample. With few
+micro-batches per iteration the iteration also pays for the pipeline's fill
+and drain and for the all-reduce and optimizer step of whichever stage
+finishes last, and plans that the bottleneck ranks equal (or worse) can be
+much faster. `refine` searches on the estimated iteration time from a
+partition, one move at a time: a beam of the few best neighbours walks on
+(through worse plans if it must) until the best plan found has not
+improved for a few rounds or the evaluation budget is spent. Moves:
+
+  node     a node joins another stage (in a chain: a neighbouring one)
+  split    a node leaves for a new stage of one spare device
+  merge    two neighbouring stages become one
+  devices  a stage's replica count moves to the next divisor of the
+           micro-batch, up (spare devices, or devices another stage gives
+           up) or down
+
+Every neighbour is a valid partition: stages stay convex and the stage
+graph acyclic; in a chain (a sequential plan) stages stay in order with
+every operator edge going forward, and moves are between consecutive
+stages only. Memory is checked by `evaluate` (the plan's in-flight counts
+depend on the stage graph).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from graphpipe.core.graph import OpGraph
+from graphpipe.planning.candidates import Partition
+
+# Plans evaluated per call at most: enough to walk a few dozen moves on
+# the paper models in about a second.
+DEFAULT_BUDGET = 400
+# Beam search: the best few neighbours of the beam form the next beam, so
+# the walk crosses a few worse plans to a better one; it stops when the
+# best plan found has not improved for a few rounds.
+_BEAM = 4
+_PATIENCE = 3
+
+
+class _Reach:
+  """Bit masks of each node's descendants and ancestors (itself excluded)."""
+
+  def __init__(self, graph: OpGraph):
+    n = len(graph.nodes)
+    self.succ = [0] * n
+    self.pred = [0] * n
+    for e in graph.edges:
+      self.succ[e.src] |= 1 << e.dst
+      self.pred[e.dst] |= 1 << e.src
+    self.desc = [0] * n
+    for v in reversed(range(n)):
+      mask = self.succ[v]
+      for w in _bits(self.succ[v]):
+        mask |= self.desc[w]
+      self.desc[v] = mask
+    self.anc = [0] * n
+    for v in range(n):
+      mask = self.pred[v]
+      for u in _bits(self.pred[v]):
+        mask |= self.anc[u]
+      self.anc[v] = mask
+
+  def convex(self, mask: int) -> bool:
+    """No path leaves the set and comes back."""
+    below = above = 0
+    for v in _bits(mask):
+      below |= self.desc[v]
+      above |= self.anc[v]
+    return not (below & above & ~mask)
+
+  def acyclic(self, masks: list[int]) -> bool:
+    """Whether the stage graph of these (convex) stages has no cycle."""
+    reach = []
+    for mask in masks:
+      below = 0
+      for v in _bits(mask):
+        below |= self.succ[v]
+      reach.append(below & ~mask)
+    edges = {
+      (a, b)
+      for a, below in enumerate(reach)
+      for b, mask in enumerate(masks)
+      if a != b and below & mask
+    }
+    indegree = [0] * len(masks)
+    for _, b in edges:
+      indegree[b] += 1
+    ready = [s for s, d in enumerate(indegree) if d == 0]
+    seen = 0
+    while ready:
+      a = ready.pop()
+      seen += 1
+      for x, b in edges:
+        if x == a:
+          indegree[b] -= 1
+          if indegree[b] == 0:
+            ready.append(b)
+    return seen == len(masks)
+
+
+@dataclasses.dataclass
+class _State:
+  masks: list[int]
+  counts: list[int]
+
+  def partition(self, like: Partition) -> Partition:
+    stages = tuple(
+      (tuple(_bits(mask)), k)
+      for mask, k in zip(self.masks, self.counts, strict=True)
+    )
+    return dataclasses.replace(like, stages=stages)
+
+
+def refine(
+  graph: OpGraph,
+  part: Partition,
+  num_devices: int,
+  evaluate: Callable[[Partition], float | None],
+  busy: Callable[[tuple[int, ...], int], float],
+  budget: int = DEFAULT_BUDGET,
+) -> Partition:
+  """The best partition the beam search from `part` finds (module
+  docstring); `part` itself when nothing better turns up.
+
+  Example:
+    >>> busy = lambda nodes, k: costs.microbatch_time(nodes, 4, k)
+    >>> refine(graph, partition, 8, estimate, busy)
+
+  Args:
+    graph: the operator graph.
+    part: the starting partition (one micro-batch size for all stages).
+    num_devices: devices available.
+    evaluate: the estimated iteration time of a partition, or None when it
+      is not valid (e.g. memory); memoised here.
+    busy: a stage's busy time per micro-batch from its nodes and replica
+      count (devices move to the busiest stages).
+    budget: evaluations at most.
+  """
+  if part.sizes:
+    return part  # moves would have to carry sizes along: not searched
+  reach = _Reach(graph)
+  b = part.micro_batch_size
+
+  def stage_busy(mask: int, k: int) -> float:
+    return busy(tuple(_bits(mask)), k)
+
+  divisors = [k for k in range(1, num_devices + 1) if b % k == 0]
+  seen: dict[Partition, float | None] = {}
+
+  def score(state: _State) -> float | None:
+    candidate = state.partition(part)
+    if candidate not in seen:
+      seen[candidate] = evaluate(candidate)
+    return seen[candidate]
+
+  state = _State(
+    [_mask(nodes) for nodes, _ in part.stages], [k for _, k in part.stages]
+  )
+  current = score(state)
+  if current is None:
+    return part
+
+  def neighbours(of: _State) -> list[tuple[float, _State]]:
+    """Valid neighbours with their scores, best first."""
+    out = []
+    for move in _moves(
+      of, reach, part.chain, divisors, num_devices, stage_busy
+    ):
+      if len(seen) >= budget:
+        break
+      value = score(move)
+      if value is not None:
+        out.append((value, move))
+    out.sort(key=lambda x: x[0])
+    return out
+
+  best = (current, state)
+  beam, expanded, stale = [state], set(), 0
+  while beam and stale < _PATIENCE and len(seen) < budget:
+    pool: dict[Partition, tuple[float, _State]] = {}
+    for member in beam:
+      expanded.add(member.partition(part))
+      for value, move in neighbours(member):
+        key = move.partition(part)
+        if key not in expanded:
+          pool[key] = (value, move)
+    beam = [
+      move for _, move in sorted(pool.values(), key=lambda x: x[0])[:_BEAM]
+    ]
+    if pool and min(pool.values(), key=lambda x: x[0])[0] < best[0] * (
+      1 - 1e-9
+    ):
+      best, stale = min(pool.values(), key=lambda x: x[0]), 0
+    else:
+      stale += 1
+  return best[1].partition(part)
+
+
+def _moves(state: _State, reach: _Reach, chain: bool, divisors, devices, busy):
+  """Every neighbour of `state` (module docstring)."""
+  masks, counts = state.masks, state.counts
+  spare = devices - sum(counts)
+  stages = range(len(masks))
+  if chain:
+    pairs = [(i, i + 1) for i in range(len(masks) - 1)]
+    movable = pairs
+  else:
+    pairs = []
+    for i in stages:
+      below = 0
+      for v in _bits(masks[i]):
+        below |= reach.succ[v]
+      pairs += [(i, j) for j in stages if j != i and below & masks[j]]
+    # A node may join any stage that stays convex (and the stage graph
+    # acyclic), not only one holding a neighbour: stages of a graph
+    # pipeline may group nodes of different branches.
+    movable = [(i, j) for i in stages for j in stages if i < j]
+  for i, j in movable:
+    # Nodes of i that may join j, and nodes of j that may join i.
+    yield from _node_moves(state, reach, chain, i, j)
+    yield from _node_moves(state, reach, chain, j, i)
+  if spare >= 1:
+    for i in stages:
+      yield from _splits(state, reach, chain, i)
+  for i, j in pairs:
+    merged = masks[i] | masks[j]
+    if chain or (
+      reach.convex(merged)
+      and reach.acyclic(
+        [m for s, m in enumerate(masks) if s not in (i, j)] + [merged]
+      )
+    ):
+      k = max(d for d in divisors if d <= counts[i] + counts[j])
+      keep = [s for s in stages if s != j]
+      new_masks = [merged if s == i else masks[s] for s in keep]
+      new_counts = [k if s == i else counts[s] for s in keep]
+      yield _State(new_masks, new_counts)
+  busiest = sorted(stages, key=lambda s: -busy(masks[s], counts[s]))
+  for s in stages:
+    up = [d for d in divisors if d > counts[s]]
+    down = [d for d in divisors if d < counts[s]]
+    if up and up[0] - counts[s] <= spare:
+      yield _with_count(state, s, up[0])
+    if down:
+      yield _with_count(state, s, down[-1])
+      freed = counts[s] - down[-1] + spare
+      for t in busiest[:3]:
+        more = [d for d in divisors if d > counts[t]]
+        if t != s and more and more[0] - counts[t] <= freed:
+          trial = _with_count(state, s, down[-1])
+          yield _with_count(trial, t, more[0])
+
+
+def _node_moves(state, reach, chain, src, dst):
+  """Nodes of stage src moving to stage dst."""
+  masks = state.masks
+  for v in _bits(masks[src]):
+    if chain:
+      # Stages stay in order: a node moves later only if none of its
+      # successors stays behind, earlier only if none of its predecessors
+      # is in its stage.
+      if dst > src and reach.succ[v] & masks[src]:
+        continue
+      if dst < src and reach.pred[v] & masks[src]:
+        continue
+    rest = masks[src] & ~(1 << v)
+    yield from _moved(state, reach, chain, src, dst, v, rest)
+
+
+def _moved(state, reach, chain, src, dst, v, rest):
+  joined = state.masks[dst] | 1 << v
+  if not chain and not (
+    reach.convex(joined) and (not rest or reach.convex(rest))
+  ):
+    return
+  masks, counts = list(state.masks), list(state.counts)
+  masks[dst], masks[src] = joined, rest
+  if not rest:
+    del masks[src]
+    del counts[src]
+  if chain or reach.acyclic(masks):
+    yield _State(masks, counts)
+
+
+def _splits(state, reach, chain, src):
+  """A node of stage src leaving for a new stage on one spare device."""
+  masks = state.masks
+  if not masks[src] & (masks[src] - 1):
+    return  # a single node
+  for v in _bits(masks[src]):
+    rest = masks[src] & ~(1 << v)
+    if chain:
+      # Before its stage when none of its predecessors is in it, after
+      # when none of its successors is.
+      places = []
+      if not reach.pred[v] & masks[src]:
+        places.append(src)
+      if not reach.succ[v] & masks[src]:
+        places.append(src + 1)
+    elif reach.convex(rest):
+      places = [len(masks)]
+    else:
+      places = []
+    for at in places:
+      new_masks, counts = list(masks), list(state.counts)
+      new_masks[src] = rest
+      new_masks.insert(at, 1 << v)
+      counts.insert(at, 1)
+      if chain or reach.acyclic(new_masks):
+        yield _State(new_masks, counts)
+
+
+def _with_count(state: _State, stage: int, k: int) -> _State:
+  counts = list(state.counts)
+  counts[stage] = k
+  return _State(list(state.masks), counts)
+
+
+def _mask(nodes) -> int:
+  out = 0
+  for v in nodes:
+    out |= 1 << v
+  return out
+
+
+def _bits(mask: int):
+  while mask:
+    low = mask & -mask
+    yield low.bit_length() - 1
+    mask ^= low

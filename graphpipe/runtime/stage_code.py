@@ -1,0 +1,144 @@
+"""A stage's code: its node jaxprs as one function, and its residuals.
+
+`StageCode.stage_function(stage)` runs a stage's nodes on a block of its
+input edge matrices and the batch rows, and returns its output edge
+matrices (flat) and its loss. `_vjp_parts` is that function's VJP with the
+residual policy of the runtime: outputs of matrix products are kept, the
+elementwise work between them is recomputed in the backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from graphpipe.frontend.program import Program
+from graphpipe.runtime import packing
+from graphpipe.runtime.layout import Layout
+
+
+def _save_products(primitive, *_, **__) -> bool:
+  """Checkpoint policy: keep matrix products' outputs (see `_vjp_parts`)."""
+  return primitive in (lax.dot_general_p, lax.conv_general_dilated_p)
+
+
+class StageCode:
+  """The node programs of a layout's stages, traced at each stage's chunk.
+
+  Args:
+    layout: the static layout (stages, edges, transfers).
+    program: the captured program (node jaxprs), re-traced per chunk size.
+  """
+
+  def __init__(self, layout: Layout, program: Program):
+    self.layout = layout
+    self.programs = {
+      s.chunk: program.at_batch_size(s.chunk) for s in layout.stages
+    }
+    self.consts = program.consts
+    self._residual_avals = {}
+
+  def stage_function(self, stage: int):
+    """f(params, acts_block, batch_rows) -> (outputs block, loss)."""
+    s = self.layout.stages[stage]
+    program = self.programs[s.chunk]
+    edges = self.layout.edges
+    in_offsets = self.layout.in_offsets(stage)
+
+    def f(params: dict, acts_block, batch: dict):
+      env = dict(self.consts)
+      env.update(params)
+      env.update(batch)
+      for e in s.in_edges:
+        edge = edges[e]
+        start = in_offsets[e]
+        width = edge.width
+        matrix = lax.dynamic_slice_in_dim(acts_block, start, s.chunk * width)
+        matrix = matrix.reshape(s.chunk, width)
+        col = 0
+        for v in edge.values:
+          env[v.key] = packing.from_rows(
+            matrix[:, col : col + v.width], v, s.chunk
+          )
+          col += v.width
+      for n in s.nodes:
+        node = program.nodes[n]
+        outs = node(*[env[k] for k in node.inputs])
+        env.update(zip(node.outputs, outs, strict=True))
+      blocks = []
+      for e in s.out_edges:
+        rows = [
+          packing.to_rows(env[v.key], v, s.chunk) for v in edges[e].values
+        ]
+        if edges[e].token:
+          rows = [jnp.zeros((s.chunk, 1), jnp.float32)]
+        blocks.append(jnp.concatenate(rows, axis=1).reshape(-1))
+      out = jnp.concatenate(blocks) if blocks else jnp.zeros((0,), jnp.float32)
+      loss = sum(
+        (env[k].astype(jnp.float32) for k in s.loss_keys),
+        jnp.zeros((), jnp.float32),
+      )
+      return out, loss
+
+    return f
+
+  # Residuals (when not recomputing).
+
+  def _abstract_inputs(self, stage):
+    lay = self.layout
+    s = lay.stages[stage]
+    params = {
+      k: jax.ShapeDtypeStruct(*lay.param_shapes[k]) for k in s.params + s.state
+    }
+    acts = jax.ShapeDtypeStruct((max(1, lay.in_size(stage)),), jnp.float32)
+    program = self.programs[s.chunk]
+    batch_avals = {}
+    for node in program.nodes:
+      for k, a in zip(node.inputs, node.input_avals(), strict=True):
+        if k.startswith("batch:"):
+          batch_avals[k] = jax.ShapeDtypeStruct(a.shape, a.dtype)
+    batch = {k: batch_avals[k] for k in s.batch}
+    return params, acts, batch
+
+  def _vjp_parts(self, stage, params, acts, batch):
+    """(outputs, loss), residual leaves, their treedef, param positions."""
+    s = self.layout.stages[stage]
+    f = self.stage_function(stage)
+    trainable = {k: params[k] for k in s.params}
+    frozen = {k: params[k] for k in s.state}
+
+    # Residuals are the outputs of matrix products (and the stage's
+    # inputs); the backward recomputes the elementwise work between them.
+    # The VJP's own residuals were several times as many bytes (every
+    # intermediate of every elementwise op), and writing and reading them
+    # through the stash cost more than recomputing them: plain XLA keeps
+    # about this much, by fusing that elementwise work into the backward.
+    diff = jax.checkpoint(
+      lambda p, a: f({**p, **frozen}, a, batch), policy=_save_products
+    )
+    outs, vjp = jax.vjp(diff, trainable, acts)
+    leaves, treedef = jax.tree.flatten(vjp)
+    param_ids = {id(v): k for k, v in trainable.items()}
+    keep = [i for i, x in enumerate(leaves) if id(x) not in param_ids]
+    sources = {
+      i: param_ids[id(x)] for i, x in enumerate(leaves) if id(x) in param_ids
+    }
+    return outs, leaves, treedef, keep, sources
+
+  def _residual_size(self, stage):
+    params, acts, batch = self._abstract_inputs(stage)
+    info = {}
+
+    def probe(params, acts, batch):
+      _, leaves, _, keep, _ = self._vjp_parts(stage, params, acts, batch)
+      info["avals"] = [
+        jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in keep
+      ]
+      return 0
+
+    jax.eval_shape(probe, params, acts, batch)
+    self._residual_avals[stage] = info["avals"]
+    return sum(math.prod(a.shape) for a in info["avals"])
