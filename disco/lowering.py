@@ -269,6 +269,13 @@ class NodeOps:
 
   def _input(self, x: jax.Array, plan: Exchange) -> jax.Array:
     key = (id(x), id(plan))
+    for other_x, other_plan in self._inputs:
+      if other_x == id(x) and other_plan != id(plan):
+        raise DistributedError(
+          "a tensor is read through two different CommMasks: its channels "
+          "would cross the links once per mask; let every layer that reads "
+          "one tensor share one mask (disco.layers)"
+        )
     if key not in self._inputs:
       # Keeping x alive keeps its id from being reused during the trace.
       self._inputs[key] = (x, exchange(x, plan))

@@ -143,10 +143,12 @@ class BasicBlock(nnx.Module):
     num_nodes: number of nodes.
     rngs: random number streams.
     dilation: dilation of both 3x3 convs (atrous, for dense prediction).
+    mask: the `CommMask` of another layer reading the block's input, for
+      the first conv and the shortcut to share (default: a new one).
   """
 
   def __init__(
-    self, in_features, width, stride, *, num_nodes, rngs, dilation=1
+    self, in_features, width, stride, *, num_nodes, rngs, dilation=1, mask=None
   ):
     self.conv1 = ConvBN(
       in_features,
@@ -155,6 +157,7 @@ class BasicBlock(nnx.Module):
       strides=stride,
       dilation=dilation,
       num_nodes=num_nodes,
+      mask=mask,
       rngs=rngs,
     )
     self.conv2 = ConvBN(
