@@ -55,7 +55,7 @@ def test_distributed_equals_the_masked_model_and_its_byte_count(name, ratio):
   report = metrics.count(model)
   assert run.bytes_per_inference() == report.bytes_sent
   # With no communication only the outputs cross (to node 0).
-  gathers = sum(l.bytes_sent for l in report.layers if l.kind == "gather")
+  gathers = sum(c.bytes_sent for c in report.layers if c.kind == "gather")
   assert gathers > 0 and (report.bytes_sent == gathers) == (ratio == 0.0)
 
 
