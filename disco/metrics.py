@@ -315,7 +315,9 @@ class LatencyModel:
   `flops_per_second`, plus, when it communicates, the slowest sender's
   time: per message `message_latency`, and its bytes at `bytes_per_second`
   (each node sends its messages one after another over its own link).
-  Compute and communication do not overlap: an upper bound.
+  Compute and communication do not overlap: an upper bound. With `shared`
+  the nodes share one link (a bus, or one throttled loopback): a layer's
+  messages then go one after another, all senders' bytes together.
 
   Example:
     >>> from flax import nnx
@@ -330,11 +332,13 @@ class LatencyModel:
     flops_per_second: compute rate of one node.
     bytes_per_second: bandwidth of a node's link.
     message_latency: seconds added per message.
+    shared: the nodes share one link of `bytes_per_second`.
   """
 
   flops_per_second: float
   bytes_per_second: float
   message_latency: float
+  shared: bool = False
 
   def layer_times(self, report: CostReport) -> list[tuple[float, float]]:
     """(compute seconds, communication seconds) per layer."""
@@ -346,7 +350,7 @@ class LatencyModel:
         + sum(row) / self.bytes_per_second
         for row in layer.traffic
       ]
-      times.append((compute, max(sends)))
+      times.append((compute, sum(sends) if self.shared else max(sends)))
     return times
 
   def latency(self, report: CostReport) -> float:

@@ -21,40 +21,27 @@ masks by magnitude at the same ratio (not fine-tuned). Writes
 import os
 import sys
 
+from experiments import common
 
-def _single_threaded_devices(argv) -> None:
+
+def _single_threaded_devices() -> None:
   """One single-threaded CPU device per node (at least 2): before JAX starts."""
-  nodes = 2
-  for index, arg in enumerate(argv):
-    value = None
-    if arg.startswith("--num_nodes="):
-      value = arg.split("=", 1)[1]
-    elif arg == "--num_nodes" and index + 1 < len(argv):
-      value = argv[index + 1]
-    if value is not None and value.isdigit():
-      nodes = int(value)
-  kept = [
-    flag
-    for flag in os.environ.get("XLA_FLAGS", "").split()
-    if not flag.startswith("--xla_force_host_platform_device_count")
+  common.use_cpu_devices(max(2, common.int_flag_from_argv("num_nodes", 2)))
+  flags = os.environ["XLA_FLAGS"].split()
+  extra = [
+    "--xla_cpu_multi_thread_eigen=false",
+    "intra_op_parallelism_threads=1",
   ]
   os.environ["XLA_FLAGS"] = " ".join(
-    kept
-    + [
-      f"--xla_force_host_platform_device_count={max(2, nodes)}",
-      "--xla_cpu_multi_thread_eigen=false",
-      "intra_op_parallelism_threads=1",
-    ]
+    flags + [f for f in extra if f not in flags]
   )
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 if __name__ == "__main__":
-  _single_threaded_devices(sys.argv)
+  _single_threaded_devices()
 
 import dataclasses  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -63,11 +50,7 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from disco import checkpoint, data, distributed, metrics, prune, train  # noqa: E402
-from disco.errors import (  # noqa: E402
-  DataError,
-  DiscoError,
-  DistributedError,
-)
+from disco.errors import DataError, DiscoError, DistributedError  # noqa: E402
 
 BANDWIDTHS_BITS = tuple(float(b) for b in np.logspace(8, 11, 31))
 
@@ -83,7 +66,7 @@ class Settings:
   Args:
     checkpoint: a folder written by experiments.disco_train.
     num_nodes: nodes to run on; must be the checkpoint's.
-    dataset: "digits", "cifar10" or "synthetic" (as trained).
+    dataset: a classification dataset of `disco.data.TASKS` (as trained).
     data_dir: the CIFAR-10 python batch folder.
     test_fraction: share of the digits held out (as trained).
     batch_size: images per distributed call.
@@ -101,7 +84,7 @@ class Settings:
   message_latency: float = 1e-4
 
 
-def _define_flags() -> None:
+def define_flags() -> None:
   """Flags of the program; defined only when run as a program."""
   defaults = Settings(checkpoint="")
   flags.DEFINE_string("checkpoint", None, "Checkpoint folder.", required=True)
@@ -109,7 +92,7 @@ def _define_flags() -> None:
   flags.DEFINE_enum(
     "dataset",
     defaults.dataset,
-    ["digits", "cifar10", "synthetic"],
+    list(data.TASKS["classify"]),
     "Dataset the checkpoint was trained on.",
   )
   flags.DEFINE_string("data_dir", defaults.data_dir, "CIFAR-10 folder.")
@@ -120,11 +103,10 @@ def _define_flags() -> None:
     "message_latency", defaults.message_latency, "Seconds per message."
   )
   flags.DEFINE_string("out", None, "Output folder.", required=True)
+  common.define_flags()
 
 
-def log(text: str) -> None:
-  """Prints one progress line at once."""
-  print(text, flush=True)
+log = common.log
 
 
 def run(settings: Settings, out: str) -> dict:
@@ -151,7 +133,13 @@ def run(settings: Settings, out: str) -> dict:
       f"nodes, not --num_nodes={settings.num_nodes}: pass "
       f"--num_nodes={config.num_nodes}"
     )
-  dataset = _dataset(settings, config.image_size)
+  dataset = data.load(
+    "classify",
+    settings.dataset,
+    image_size=config.image_size,
+    test_fraction=settings.test_fraction,
+    data_dir=settings.data_dir,
+  )
   shape = (config.image_size, config.image_size, config.in_channels)
   if dataset.image_shape != shape:
     raise DataError(
@@ -166,7 +154,6 @@ def run(settings: Settings, out: str) -> dict:
   os.makedirs(out, exist_ok=True)
   results = {
     "config": dataclasses.asdict(settings),
-    "environment": _environment(),
     "definitions": _DEFINITIONS,
   }
   batch = settings.batch_size
@@ -204,9 +191,7 @@ def run(settings: Settings, out: str) -> dict:
   )
   results["plot"] = _plot(results["latency_model"], batch, out)
   results["wall_seconds"] = round(time.perf_counter() - started, 1)
-  with open(os.path.join(out, "results.json"), "w") as file:
-    json.dump(results, file, indent=1)
-  log(f"wrote {os.path.join(out, 'results.json')}")
+  log(f"wrote {common.write_results(out, results)}")
   return results
 
 
@@ -224,29 +209,6 @@ _DEFINITIONS = {
   "latency_model": "disco.metrics.LatencyModel over link bandwidths; "
   "crossover: the bandwidth above which the split model beats one device",
 }
-
-
-def _environment() -> dict:
-  return {
-    "jax": jax.__version__,
-    "backend": jax.default_backend(),
-    "devices": jax.device_count(),
-    "cpu_count": os.cpu_count(),
-    "xla_flags": os.environ.get("XLA_FLAGS", ""),
-    "python": platform.python_version(),
-  }
-
-
-def _dataset(settings: Settings, image_size: int) -> data.Dataset:
-  if settings.dataset == "digits":
-    return data.digits(
-      image_size=image_size, test_fraction=settings.test_fraction
-    )
-  if settings.dataset == "cifar10":
-    if not settings.data_dir:
-      raise DataError("--dataset=cifar10 needs --data_dir")
-    return data.cifar10(settings.data_dir)
-  return data.synthetic(image_size=image_size)
 
 
 class _OneDevice:
@@ -466,7 +428,7 @@ _HEADLINE = (
 
 
 def main(argv):
-  del argv
+  common.start(argv)
   values = {
     f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(Settings)
   }
@@ -475,9 +437,9 @@ def main(argv):
   except DiscoError as error:
     sys.exit(f"disco_infer: error: {error}")
   for key in _HEADLINE:
-    log(f"{key}: {results[key]}")
+    print(f"{key}: {results[key]}")
 
 
 if __name__ == "__main__":
-  _define_flags()
+  define_flags()
   app.run(main)

@@ -116,3 +116,22 @@ def test_quality_metrics():
   high = np.asarray(np.repeat(np.repeat(low, 2, 1), 2, 2))
   baseline = tasks.bicubic_baseline(low, high, 2)
   assert 15 < baseline["psnr"] < 40 and 0 < baseline["ssim"] < 1
+
+
+def test_latency_prediction_on_a_shared_link():
+  from experiments import disco_latency
+
+  settings = {"comm_ratio": 0.2, "message_latency": 1e-4}
+  row = {"model": "resnet", "batch": 64, "one_device_ms": 5.0}
+  slow = disco_latency.predict(row, 100, settings)
+  fast = disco_latency.predict(row, 10000, settings)
+  assert slow["predicted_disco_ms"] < slow["predicted_dense_ms"]
+  assert fast["predicted_dense_ms"] < slow["predicted_dense_ms"]
+  # On a shared link both nodes' bytes queue on one bucket: slower than
+  # each node on its own link, never more than twice (two senders).
+  model = disco_latency.build("resnet", True, 0.2)
+  report = metrics.count(model, input_shape=(64, 16, 16, 1))
+  own = metrics.LatencyModel(1e9, 100e6 / 8, 1e-4)
+  shared = metrics.LatencyModel(1e9, 100e6 / 8, 1e-4, shared=True)
+  assert own.latency(report) < shared.latency(report) < 2 * own.latency(report)
+  assert disco_latency.namespace_command(100, "true")[-1].endswith("&& true")
