@@ -20,7 +20,8 @@ Over nodes (our choices):
   `width % num_nodes == 0`.
 - The input image is replicated, so the first conv communicates nothing,
   and with `bicubic_skip` the bicubic upsampling of the input is added to
-  the output (the net learns the residual; our choice, for small budgets).
+  the output (the net learns the residual; our choice, for small budgets);
+  the last conv then starts at zero, so the untrained net is bicubic.
 - The last conv's RGB channels are gathered on node 0 (`ops.output`).
 """
 
@@ -262,7 +263,10 @@ class SRNet(nnx.Module):
       [conv(width, 4 * width) for _ in range(config.upsamplings)]
     )
     self.hr_conv = conv(width, width)
-    self.last = conv(width, config.out_channels)
+    # With the bicubic skip the last conv starts at zero, so the untrained
+    # net is bicubic upsampling and training only adds detail.
+    last_init = nnx.initializers.zeros if config.bicubic_skip else None
+    self.last = conv(width, config.out_channels, kernel_init=last_init)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     return self.forward(x, ONE_DEVICE)
