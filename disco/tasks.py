@@ -224,6 +224,8 @@ def psnr(outputs, targets) -> float:
 def ssim(outputs, targets) -> float:
   """Mean SSIM (scikit-image, Gaussian window) of RGB images in [0, 1].
 
+  Images must be at least 11 pixels wide (the window).
+
   Example:
     >>> image = np.random.default_rng(0).random((1, 16, 16, 3))
     >>> ssim(image, image)
@@ -249,8 +251,8 @@ def bicubic_baseline(images, targets, scale: int) -> dict:
   """PSNR and SSIM of bicubic upsampling of `images` against `targets`.
 
   Example:
-    >>> low = np.full((1, 4, 4, 3), 0.5, np.float32)
-    >>> bicubic_baseline(low, np.full((1, 8, 8, 3), 0.5), 2)["ssim"]
+    >>> low = np.full((1, 8, 8, 3), 0.5, np.float32)
+    >>> round(bicubic_baseline(low, np.full((1, 16, 16, 3), 0.5), 2)["ssim"], 6)
     1.0
   """
   up = np.asarray(bicubic(jnp.asarray(images), scale))
