@@ -8,5 +8,19 @@ import os
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " " + _FLAG
+  ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Hypothesis runs are derandomised: every run of the suite draws the same
+# examples, so a failure reproduces. GRAPHPIPE_HYPOTHESIS_PROFILE=explore
+# draws fresh ones (e.g. with GRAPHPIPE_RANDOM_GRAPHS=20000 before a
+# release).
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("ci", derandomize=True)
+_hypothesis_settings.register_profile("explore", derandomize=False)
+_hypothesis_settings.load_profile(
+  os.environ.get("GRAPHPIPE_HYPOTHESIS_PROFILE", "ci")
+)
