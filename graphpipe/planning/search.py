@@ -430,23 +430,23 @@ def tightest_plan(
     device: the device preset or spec the planner costs with.
     steps: bisection steps.
   """
-  best = plan(graph, num_devices, batch_size, planner=planner, device=device)
-  low, high = 1.0, 8.0 * graph.totals()["param_bytes"] + 1e6
+  kwargs = {"planner": planner, "device": device}
+  # Feasibility as `plan` decides it, without building its error message.
+  spec = device_spec(device) if isinstance(device, str) else device
+  args = (graph, num_devices, batch_size, planner, AnalyticCostModel(spec))
+  sizes = _micro_batch_sizes(batch_size, None)
+  unlimited = _search(*args, math.inf, sizes)
+  peak = math.inf if unlimited is None else _peak_memory(unlimited, graph)
+  low, high, found = 1.0, 8.0 * graph.totals()["param_bytes"] + 1e6, False
   for _ in range(steps):
     middle = (low + high) / 2
-    try:
-      best = plan(
-        graph,
-        num_devices,
-        batch_size,
-        planner=planner,
-        device=device,
-        memory_bytes=middle,
-      )
-      high = middle
-    except PlanError:
+    if peak <= middle or _search(*args, middle, sizes) is not None:
+      high, found = middle, True
+    else:
       low = middle
-  return best
+  if not found:
+    return plan(graph, num_devices, batch_size, **kwargs)
+  return plan(graph, num_devices, batch_size, memory_bytes=high, **kwargs)
 
 
 def plan_and_simulate(
