@@ -11,6 +11,12 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " " + _FLAG
   ).strip()
+# bf16 exactness (tests/graphpipe/test_numerics.py) holds when XLA rounds
+# every bf16 operation: by default it may skip roundings inside a fusion,
+# differently in a whole program and in a pipeline stage (BUILD.md).
+_STRICT = "--xla_allow_excess_precision=false"
+if _STRICT not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " " + _STRICT
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # Hypothesis runs are derandomised: every run of the suite draws the same
