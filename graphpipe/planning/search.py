@@ -117,7 +117,8 @@ def plan(
     per_stage_micro_batches: let GraphPipe's stages take micro-batches a
       power of two larger than their predecessors' where the estimate
       gains (`graphpipe.planning.micro_batches`). The simulator times such
-      plans; `graphpipe.Trainer` does not run them yet.
+      plans and `graphpipe.Trainer` runs them. Off by default, as in the
+      paper (an optional extension).
     piper_budget: stages Piper may price before it gives up (its search
       is exponential in the number of parallel branches).
 

@@ -82,6 +82,10 @@ class Trainer:
 
   Args:
     plan: the stage DAG (from `graphpipe.plan` or a baseline planner).
+      Stages may take different micro-batch sizes (`graphpipe.plan(...,
+      per_stage_micro_batches=True)`): a stage k times larger than its
+      predecessor collects k of their micro-batches, runs once and returns
+      its gradients in k pieces (`graphpipe.runtime.layout`).
     optimizer: an optax transformation. It runs on each device's flat
       buffer, so it must treat parameters elementwise (sgd, adam, adamw,
       ...); transformations that reduce over all parameters (global-norm
