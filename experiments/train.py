@@ -167,26 +167,33 @@ def main(argv):
   common.start(argv)
   options = flags.FLAGS
   from graphpipe.errors import GraphpipeError
-  from graphpipe.runtime.launch import initialize_from_env, launch
+  from graphpipe.runtime.launch import initialize_from_env, launch, leave
 
   if options.num_processes > 1 and not initialize_from_env():
     if options.num_devices % options.num_processes:
       raise app.UsageError(
         "--num_devices must be a multiple of --num_processes"
       )
-    outputs = launch(
-      ["-m", "experiments.train", *sys.argv[1:]],
-      options.num_processes,
-      options.num_devices // options.num_processes,
-    )
+    try:
+      outputs = launch(
+        ["-m", "experiments.train", *sys.argv[1:]],
+        options.num_processes,
+        options.num_devices // options.num_processes,
+      )
+    except GraphpipeError as err:
+      print(f"error: {err}", file=sys.stderr)
+      sys.exit(1)
     print(outputs[0], end="")
     return
+  import jax
+
   try:
     results = train(options)
   except GraphpipeError as err:
+    if jax.process_count() > 1:
+      leave(f"error: {type(err).__name__}: {err}")  # no shutdown wait
     print(f"error: {err}", file=sys.stderr)
     sys.exit(1)
-  import jax
 
   if jax.process_index() == 0:
     common.write_results(options.out, results)

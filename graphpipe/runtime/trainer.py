@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
+import contextlib
 import time
 from typing import Any, NamedTuple
 
@@ -16,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
-from graphpipe.errors import PipelineRuntimeError
-from graphpipe.runtime import slots
+from graphpipe.errors import PipelineRuntimeError, ProcessLostError
+from graphpipe.runtime import checkpoints, faults, slots
 from graphpipe.runtime.layout import build_layout
 from graphpipe.runtime.step import AXIS, StepBuilder
 from graphpipe.schedules.builders import schedule_for
@@ -196,7 +195,10 @@ class Trainer:
     """A state from parameter / state values by key ('param:a.b.kernel')."""
     params = self._to_rows(self._host_slots(self.buffers.params, values))
     state = self._to_rows(self._host_slots(self.buffers.state, values))
-    step_array = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
+    # (device_put of a host scalar makes a malformed array across processes)
+    step_array = jax.make_array_from_callback(
+      (), self._replicated, lambda _: np.asarray(step, np.int32)
+    )
     return TrainState(params, state, self._init_opt(params), step_array)
 
   def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
@@ -206,8 +208,13 @@ class Trainer:
     the returned state from then on.
     """
     batch = self._device_batch(batch)
-    new, metrics, _ = self._step(state, batch)
-    loss = float(_first_shard(metrics["loss"]))
+    die_at = faults.armed("step")
+    if die_at is not None and die_at == int(_first_shard(state.step)):
+      self._step(state, batch)
+      faults.die()
+    with _peers_checked():
+      new, metrics, _ = self._step(state, batch)
+      loss = float(_first_shard(metrics["loss"]))
     metrics = {"loss": loss, "finite": bool(np.isfinite(loss))}
     if self.stop_on_nan and not metrics["finite"]:
       raise PipelineRuntimeError(
@@ -242,37 +249,17 @@ class Trainer:
   # Checkpoints.
 
   def save(self, state: TrainState, directory: str) -> None:
-    """Writes `state` to `directory` (orbax; every process calls it)."""
-    import orbax.checkpoint as ocp
+    """Writes `state` to `directory` (orbax; every process calls it).
 
-    directory = os.path.abspath(directory)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.join(directory, "state"), state, force=True)
-    checkpointer.wait_until_finished()
-    if jax.process_index() == 0:
-      with open(os.path.join(directory, "layout.json"), "w") as f:
-        json.dump(self._signature(), f)
+    The folder counts as a checkpoint only once the save has finished
+    (`graphpipe.runtime.checkpoints`): a crash midway leaves a folder
+    that `restore` refuses and `checkpoints.latest` skips.
+    """
+    checkpoints.save(self, state, directory)
 
   def restore(self, directory: str) -> TrainState:
     """Reads a state written by `save` for this same plan and graph."""
-    import orbax.checkpoint as ocp
-
-    directory = os.path.abspath(directory)
-    try:
-      with open(os.path.join(directory, "layout.json")) as f:
-        saved = json.load(f)
-    except FileNotFoundError as err:
-      raise PipelineRuntimeError(
-        f"{directory} holds no graphpipe checkpoint"
-      ) from err
-    if saved != self._signature():
-      raise PipelineRuntimeError(
-        "this checkpoint was written for another plan or graph "
-        f"(saved {saved}, this trainer {self._signature()})"
-      )
-    return ocp.StandardCheckpointer().restore(
-      os.path.join(directory, "state"), self._abstract_state()
-    )
+    return checkpoints.restore(self, directory)
 
   def _signature(self) -> dict:
     from graphpipe.core.fingerprint import graph_fingerprint
@@ -430,6 +417,26 @@ def _key(k) -> str:
     if hasattr(k, attr):
       return str(getattr(k, attr))
   return str(k)
+
+
+@contextlib.contextmanager
+def _peers_checked():
+  """Turns a collective that fails because a process died into an error
+  that says so (multi-process runs only)."""
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as err:
+    text = str(err)
+    lost = ("Gloo", "collective", "Connection", "UNAVAILABLE", "heartbeat")
+    if jax.process_count() == 1 or not any(w in text for w in lost):
+      raise
+    raise ProcessLostError(
+      f"process {jax.process_index()} of {jax.process_count()}: the "
+      "training step's collectives failed, so another process of the run "
+      f"died or cannot be reached ({text.splitlines()[0][:200]}); restart "
+      "the run from its last complete checkpoint "
+      "(graphpipe.runtime.checkpoints.latest)"
+    ) from None
 
 
 def _first_shard(x):
