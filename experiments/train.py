@@ -31,19 +31,22 @@ if (
 
 def define_flags():
   """This experiment's flags (defined when run, so tests import freely)."""
+  from graphpipe import PLANNERS, models
+  from graphpipe.costs.analytic import PRESETS
+
   common.define_flags()
-  flags.DEFINE_string("model", "two_branch", "Zoo model.")
-  flags.DEFINE_string("config", "tiny", "tiny or paper.")
-  flags.DEFINE_integer("num_devices", 8, "Devices in the mesh.")
+  flags.DEFINE_enum("model", "two_branch", models.NAMES, "Zoo model.")
+  flags.DEFINE_enum("config", "tiny", models.SIZES, "Model size.")
+  flags.DEFINE_integer("num_devices", 8, "Devices in the mesh.", lower_bound=1)
   flags.DEFINE_integer(
-    "num_processes", 1, "Local processes (N/P devices each)."
+    "num_processes", 1, "Local processes (N/P devices each).", lower_bound=1
   )
-  flags.DEFINE_string(
-    "planner", "graphpipe", "graphpipe, sequential, gpipe or piper."
+  flags.DEFINE_enum("planner", "graphpipe", PLANNERS, "Planner.")
+  flags.DEFINE_integer("steps", 5, "Optimizer steps.", lower_bound=1)
+  flags.DEFINE_integer("batch_size", 16, "Samples per step.", lower_bound=1)
+  flags.DEFINE_enum(
+    "device", "v100", PRESETS, "Cost-model preset for planning."
   )
-  flags.DEFINE_integer("steps", 5, "Optimizer steps.")
-  flags.DEFINE_integer("batch_size", 16, "Samples per step.")
-  flags.DEFINE_string("device", "v100", "Cost-model preset for planning.")
   flags.DEFINE_string(
     "memory",
     "auto",
@@ -51,11 +54,25 @@ def define_flags():
     "configs, so they really pipeline; the preset's capacity for paper), "
     "'preset', or bytes.",
   )
-  flags.DEFINE_string("optimizer", "adam", "adam or sgd.")
-  flags.DEFINE_float("learning_rate", 1e-3, "Learning rate.")
+  flags.register_validator(
+    "memory",
+    _memory_ok,
+    message="--memory takes auto, preset, tight or a number of bytes > 0",
+  )
+  flags.DEFINE_enum("optimizer", "adam", ("adam", "sgd"), "Optimizer.")
+  flags.DEFINE_float("learning_rate", 1e-3, "Learning rate.", lower_bound=0)
   flags.DEFINE_bool("recompute", False, "Recompute forwards in the backward.")
   flags.DEFINE_bool("verify", False, "Check loss and gradients vs one device.")
   flags.DEFINE_string("out", None, "Output folder.", required=True)
+
+
+def _memory_ok(value: str) -> bool:
+  if value in ("auto", "preset", "tight"):
+    return True
+  try:
+    return float(value) > 0
+  except ValueError:
+    return False
 
 
 def make_plan(graph, options):
