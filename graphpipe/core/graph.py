@@ -419,14 +419,18 @@ _EDGE_FIGURES = ("bytes", "fixed_bytes", "num_values")
 
 
 def _check_figures(items, names, what) -> None:
-  """Every figure of a loaded node or edge: present, finite and >= 0."""
+  """Every figure of a loaded node or edge: present, finite and >= 0
+  (the batch-independent parts in `fixed` may be negative)."""
   for item in items:
-    figures = [(k, item[k]) for k in names]
-    figures += [(f"fixed.{k}", v) for k, v in item.get("fixed", {}).items()]
-    for name, value in figures:
+    figures = [(k, item[k], 0) for k in names]
+    figures += [
+      (f"fixed.{k}", v, -math.inf) for k, v in item.get("fixed", {}).items()
+    ]
+    for name, value, least in figures:
       number = isinstance(value, int | float) and not isinstance(value, bool)
-      if not number or not math.isfinite(value) or value < 0:
+      if not number or not math.isfinite(value) or value < least:
+        bound = ">= 0" if least == 0 else ""
         raise GraphFormatError(
           f"{what} {item.get('id', (item.get('src'), item.get('dst')))}: "
-          f"{name} = {value!r} is not a finite number >= 0 (edited file?)"
+          f"{name} = {value!r} is not a finite number {bound} (edited file?)"
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any, NamedTuple
 
@@ -15,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
-from graphpipe.errors import PipelineRuntimeError, ProcessLostError
-from graphpipe.runtime import checkpoints, faults, slots
+from graphpipe.errors import PipelineRuntimeError
+from graphpipe.runtime import checkpoints, faults, guards, slots
 from graphpipe.runtime.layout import build_layout
 from graphpipe.runtime.step import AXIS, StepBuilder
 from graphpipe.schedules.builders import schedule_for
@@ -108,6 +107,11 @@ class Trainer:
     loss_reduction: str = "mean",
     stop_on_nan: bool = False,
   ):
+    if not all(hasattr(optimizer, a) for a in ("init", "update")):
+      raise PipelineRuntimeError(
+        f"optimizer must be an optax GradientTransformation (e.g. "
+        f"optax.adam(1e-3)), got {optimizer!r}"
+      )
     graph = graph if graph is not None else getattr(plan, "graph", None)
     if graph is None or graph.program is None:
       raise PipelineRuntimeError(
@@ -187,12 +191,24 @@ class Trainer:
   # Public API.
 
   def init(self, model_or_variables) -> TrainState:
-    """Initial state from an NNX model (or linen variables) of the graph."""
+    """Initial state from an NNX model (or linen variables) of the graph.
+
+    Refuses a model whose variables differ in structure or shape from the
+    captured one's, and non-finite weights.
+    """
+    from flax import nnx
+
+    if not isinstance(model_or_variables, nnx.Module | dict):
+      raise PipelineRuntimeError(
+        "init takes the NNX model (or linen variables dict) the graph was "
+        f"captured from, got {type(model_or_variables).__name__}"
+      )
     values = self.graph.program.variable_values(model_or_variables)
     return self.state_from_values(values)
 
   def state_from_values(self, values: dict, step: int = 0) -> TrainState:
     """A state from parameter / state values by key ('param:a.b.kernel')."""
+    guards.check_values(values, self.layout.param_shapes)
     params = self._to_rows(self._host_slots(self.buffers.params, values))
     state = self._to_rows(self._host_slots(self.buffers.state, values))
     # (device_put of a host scalar makes a malformed array across processes)
@@ -207,12 +223,17 @@ class Trainer:
     `state` is consumed (its buffers are donated to the new state): use
     the returned state from then on.
     """
+    if not isinstance(state, TrainState):
+      raise PipelineRuntimeError(
+        f"step takes the TrainState of init/restore/step, got "
+        f"{type(state).__name__}"
+      )
     batch = self._device_batch(batch)
     die_at = faults.armed("step")
     if die_at is not None and die_at == int(_first_shard(state.step)):
       self._step(state, batch)
       faults.die()
-    with _peers_checked():
+    with guards.peers_checked():
       new, metrics, _ = self._step(state, batch)
       loss = float(_first_shard(metrics["loss"]))
     metrics = {"loss": loss, "finite": bool(np.isfinite(loss))}
@@ -417,26 +438,6 @@ def _key(k) -> str:
     if hasattr(k, attr):
       return str(getattr(k, attr))
   return str(k)
-
-
-@contextlib.contextmanager
-def _peers_checked():
-  """Turns a collective that fails because a process died into an error
-  that says so (multi-process runs only)."""
-  try:
-    yield
-  except jax.errors.JaxRuntimeError as err:
-    text = str(err)
-    lost = ("Gloo", "collective", "Connection", "UNAVAILABLE", "heartbeat")
-    if jax.process_count() == 1 or not any(w in text for w in lost):
-      raise
-    raise ProcessLostError(
-      f"process {jax.process_index()} of {jax.process_count()}: the "
-      "training step's collectives failed, so another process of the run "
-      f"died or cannot be reached ({text.splitlines()[0][:200]}); restart "
-      "the run from its last complete checkpoint "
-      "(graphpipe.runtime.checkpoints.latest)"
-    ) from None
 
 
 def _first_shard(x):
