@@ -71,17 +71,17 @@ def digits(
   Raises:
     DataError: scikit-learn is not installed (the `data` extra).
   """
+  if image_size < 1 or not 0 < test_fraction < 1:
+    raise DataError(
+      f"digits needs image_size >= 1 and test_fraction in (0, 1), got "
+      f"{image_size} and {test_fraction}"
+    )
   try:
     from sklearn.datasets import load_digits
   except ImportError:
     raise DataError(
       "the digits dataset needs scikit-learn: pip install .[data]"
     ) from None
-  if image_size < 1 or not 0 < test_fraction < 1:
-    raise DataError(
-      f"digits needs image_size >= 1 and test_fraction in (0, 1), got "
-      f"{image_size} and {test_fraction}"
-    )
   bunch = load_digits()
   images = bunch.images.astype(np.float32)[..., None] / 16.0
   images = np.asarray(
