@@ -42,9 +42,9 @@ def launch(
   *,
   timeout: float = 600.0,
   env: dict | None = None,
-  heartbeat_timeout: int = 30,
-  shutdown_timeout: int = 10,
-  init_timeout: int = 120,
+  heartbeat_timeout: int = 100,
+  shutdown_timeout: int = 300,
+  init_timeout: int = 300,
 ) -> list[str]:
   """Runs `python argv...` in `num_processes` local processes.
 
@@ -73,7 +73,9 @@ def launch(
     env: extra environment variables.
     heartbeat_timeout: seconds without a heartbeat after which JAX takes a
       process for dead and stops the others (`initialize_from_env`).
-    shutdown_timeout: seconds a finishing process waits for the others.
+    shutdown_timeout: seconds a finishing process waits for the others
+      (then it aborts: keep it above the longest gap between processes
+      finishing normally).
     init_timeout: seconds a process waits for the others to join.
 
   Returns:
@@ -233,7 +235,7 @@ def initialize_from_env() -> bool:
   import jax
 
   init, heartbeat, shutdown = (
-    int(x) for x in os.environ.get(ENV_TIMEOUTS, "120,30,10").split(",")
+    int(x) for x in os.environ.get(ENV_TIMEOUTS, "300,100,300").split(",")
   )
   jax.distributed.initialize(
     coordinator_address=os.environ[ENV_COORDINATOR],
