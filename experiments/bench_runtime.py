@@ -42,17 +42,22 @@ if __name__ == "__main__" and "GRAPHPIPE_PROCESS_ID" in os.environ:
 def define_flags():
   """This experiment's flags (defined when run, so tests import freely)."""
   common.define_flags()
-  flags.DEFINE_integer("in_features", 256, "Tower input width.")
-  flags.DEFINE_integer("hidden", 512, "Tower layer width.")
-  flags.DEFINE_integer("tower_layers", 4, "Layers per tower.")
+  flags.DEFINE_integer("in_features", 256, "Tower input width.", lower_bound=1)
+  flags.DEFINE_integer("hidden", 512, "Tower layer width.", lower_bound=1)
+  flags.DEFINE_integer("tower_layers", 4, "Layers per tower.", lower_bound=1)
   flags.DEFINE_integer(
     "batch_size",
     1024,
     "Samples per step (large enough that compute, not the per-step "
     "optimizer and host costs, dominates; see BUILD.md for smaller).",
+    lower_bound=1,
   )
-  flags.DEFINE_integer("microbatches", 4, "Micro-batches per step.")
-  flags.DEFINE_integer("pairs", 30, "Timed (sequential, graphpipe) pairs.")
+  flags.DEFINE_integer(
+    "microbatches", 4, "Micro-batches per step.", lower_bound=1
+  )
+  flags.DEFINE_integer(
+    "pairs", 30, "Timed (sequential, graphpipe) pairs.", lower_bound=1
+  )
   flags.DEFINE_string("out", None, "Output folder.", required=True)
 
 

@@ -111,6 +111,33 @@ def define_flags() -> None:
   )
 
 
+def check_int_list(name: str, minimum: int = 1) -> None:
+  """Makes list flag `--name` a usage error unless it holds integers >=
+  `minimum` (a bad value then stops the app before it starts)."""
+
+  def ok(values) -> bool:
+    try:
+      return all(int(v) >= minimum for v in values)
+    except ValueError:
+      return False
+
+  flags.register_validator(
+    name,
+    ok,
+    message=f"--{name} takes integers >= {minimum}, separated by commas",
+  )
+
+
+def check_choices(name: str, allowed) -> None:
+  """Makes list flag `--name` a usage error unless each value is allowed."""
+  allowed = tuple(allowed)
+  flags.register_validator(
+    name,
+    lambda values: set(values) <= set(allowed),
+    message=f"--{name} takes values of: {', '.join(allowed)}",
+  )
+
+
 def start(argv) -> None:
   """The first line of every experiment's `main`: arguments and logging.
 

@@ -199,10 +199,13 @@ def define_flags() -> None:
     list(DEFAULT_PLANNERS),
     f"Planners to compare, of {', '.join(PLANNERS)}.",
   )
-  flags.DEFINE_string(
-    "device", "v100", "Device preset: v100, a100, h100, h200, cpu."
-  )
-  flags.DEFINE_string("config", "paper", "Model size: paper or tiny.")
+  from graphpipe.costs.analytic import PRESETS
+
+  flags.DEFINE_enum("device", "v100", PRESETS, "Device preset.")
+  flags.DEFINE_enum("config", "paper", models.SIZES, "Model size.")
+  common.check_choices("models", models.NAMES)
+  common.check_int_list("devices")
+  common.check_choices("planners", PLANNERS)
   flags.DEFINE_bool("plots", True, "Draw ratio.png (needs matplotlib).")
   flags.DEFINE_string("out", None, "Output folder.", required=True)
 

@@ -32,6 +32,7 @@ from graphpipe.errors import (
   PipelineRuntimeError,
   PlanError,
   PlotsUnavailableError,
+  ProcessLostError,
   ScheduleError,
   SimulationError,
 )
@@ -70,6 +71,7 @@ __all__ = [
   "Plan",
   "PlanError",
   "PlotsUnavailableError",
+  "ProcessLostError",
   "Report",
   "Schedule",
   "ScheduleError",

@@ -135,6 +135,10 @@ def plan(
   device_name = device if isinstance(device, str) else device.name
   if memory_bytes is None:
     memory_bytes = cost_model.memory_bytes
+  if not isinstance(memory_bytes, int | float) or not memory_bytes > 0:
+    raise PlanError(
+      f"memory_bytes must be a number > 0 (per device), got {memory_bytes!r}"
+    )
   sizes = _micro_batch_sizes(batch_size, micro_batch_sizes)
   per_stage = per_stage_micro_batches and planner == "graphpipe"
   best = _search(

@@ -199,6 +199,16 @@ def simulate(
       are done (one SPMD program with collectives at every tick), instead
       of each stage starting as soon as its inputs arrive.
   """
+  if not isinstance(plan, Plan) or not isinstance(graph, OpGraph):
+    raise SimulationError(
+      f"simulate(plan, graph) takes a Plan and an OpGraph, got "
+      f"{type(plan).__name__} and {type(graph).__name__}"
+    )
+  if schedule is not None and not isinstance(schedule, Schedule):
+    raise SimulationError(
+      f"schedule must be a Schedule (e.g. graphpipe.schedule_for(plan, "
+      f"'gpipe')), got {schedule!r}"
+    )
   if cost_model is None:
     cost_model = AnalyticCostModel(device_spec(plan.device or "v100"))
   if schedule is None:

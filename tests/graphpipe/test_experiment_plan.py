@@ -76,9 +76,9 @@ def test_plan_writes_every_output(tmp_path):
 @pytest.mark.parametrize(
   "flag,message",
   [
-    ("--planner=nope", "unknown planner 'nope'"),
-    ("--model=nope", "unknown model 'nope'"),
-    ("--device=tpu9", "unknown device preset 'tpu9'"),
+    ("--planner=nope", "flag --planner=nope: value should be one of"),
+    ("--model=nope", "flag --model=nope: value should be one of"),
+    ("--device=tpu9", "flag --device=tpu9: value should be one of"),
   ],
 )
 def test_plan_refuses_bad_input_with_the_package_error(tmp_path, flag, message):
