@@ -118,24 +118,12 @@ def draw_graph(
         "this graph"
       )
   pos = layout(graph)
-  for e in graph.edges:
-    axes.annotate(
-      "",
-      xy=pos[e.dst],
-      xytext=pos[e.src],
-      arrowprops={
-        "arrowstyle": "-|>",
-        "color": "#555555",
-        "shrinkA": 14,
-        "shrinkB": 14,
-        "linewidth": 0.8,
-      },
-    )
   loss = set(graph.loss_nodes)
+  boxes = {}
   for node in graph.nodes:
     stage = stage_of.get(node.id)
     colour = _PLAIN if stage is None else _PALETTE[stage % len(_PALETTE)]
-    axes.text(
+    boxes[node.id] = axes.text(
       *pos[node.id],
       f"{node.id}\n{node.name}",
       ha="center",
@@ -147,6 +135,22 @@ def draw_graph(
         "facecolor": colour,
         "edgecolor": "#d62728" if node.id in loss else "#333333",
         "linewidth": 1.5 if node.id in loss else 0.6,
+      },
+    )
+  for e in graph.edges:
+    # From the right side of one box to the left side of the next.
+    axes.annotate(
+      "",
+      xy=(0.0, 0.5),
+      xycoords=boxes[e.dst],
+      xytext=(1.0, 0.5),
+      textcoords=boxes[e.src],
+      arrowprops={
+        "arrowstyle": "-|>",
+        "color": "#555555",
+        "shrinkA": 3,
+        "shrinkB": 3,
+        "linewidth": 0.8,
       },
     )
   if plan is not None:
