@@ -62,7 +62,8 @@ if __name__ == "__main__":
 SCHEDULES = ("1f1b", "gpipe")
 
 
-def _define_flags():
+def define_flags():
+  """This experiment's flags (defined when run, so tests import freely)."""
   common.define_flags()
   flags.DEFINE_list("mlp_widths", ["512", "1024"], "Widths of the tanh MLP.")
   flags.DEFINE_list("mlp_batch_sizes", ["256", "512"], "MLP batch sizes.")
@@ -308,10 +309,11 @@ def apply_smoke(options):
 def measure(cases_, num_stages: int, options, say) -> dict:
   """Rows of `cases_` on `num_stages` devices, and the empty tick."""
   rows = []
+  progress = common.Progress(len(cases_) * len(SCHEDULES), "row", say=say)
   for case in cases_:
     for schedule in SCHEDULES:
       row = measure_row(case, schedule, num_stages, options)
-      say(
+      progress.step(
         f"{num_stages} dev {case.model} B={case.batch_size} "
         f"m={case.microbatches} {schedule}: ours "
         f"{row['ours_step_s'] * 1e3:.1f} ms, plain "
@@ -388,5 +390,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _define_flags()
+  define_flags()
   app.run(main)
