@@ -63,7 +63,7 @@ SCHEDULES = ("1f1b", "gpipe")
 
 
 def define_flags():
-  """This experiment's flags (defined when run, so tests import freely)."""
+  """This experiment's flags (`experiments.gpu_check` reuses them)."""
   common.define_flags()
   flags.DEFINE_list("mlp_widths", ["512", "1024"], "Widths of the tanh MLP.")
   flags.DEFINE_list("mlp_batch_sizes", ["256", "512"], "MLP batch sizes.")

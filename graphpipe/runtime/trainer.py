@@ -94,7 +94,8 @@ class Trainer:
       stashing the forward's residuals (less memory, more compute).
     loss_reduction: 'mean' if the loss averages per-sample losses (the
       usual), 'sum' if it sums them.
-    stop_on_nan: raise when the loss is not finite (else only flag it).
+    stop_on_nan: raise when the loss is not finite (else only flag it;
+      either way the step is skipped, see `step`).
   """
 
   def __init__(
@@ -181,8 +182,17 @@ class Trainer:
     updates, opt_state = self.optimizer.update(
       grads, _local(ts.opt_state), params
     )
-    params = optax.apply_updates(params, updates)
-    new = TrainState(_rows(params), ts.state, _rows(opt_state), ts.step + 1)
+    # A step whose loss is not finite is skipped: parameters, optimizer
+    # state and step count stay as they were (the loss is psummed, so every
+    # device decides alike).
+    finite = jnp.isfinite(loss)
+    keep = lambda new, old: jax.tree.map(
+      lambda a, b: jnp.where(finite, a, b), new, old
+    )
+    params = keep(optax.apply_updates(params, updates), params)
+    opt_state = keep(opt_state, _local(ts.opt_state))
+    step = ts.step + finite.astype(ts.step.dtype)
+    new = TrainState(_rows(params), ts.state, _rows(opt_state), step)
     return new, {"loss": loss}, _rows(grads)
 
   # Public API.
@@ -203,16 +213,23 @@ class Trainer:
     """One optimizer step on `batch` (the plan's batch size).
 
     `state` is consumed (its buffers are donated to the new state): use
-    the returned state from then on.
+    the returned state from then on. A step whose loss is not finite
+    (NaN or inf) changes nothing but is reported: `metrics["finite"]` is
+    False and the returned state equals the given one (parameters,
+    optimizer state, step count); with `stop_on_nan` it raises
+    `PipelineRuntimeError` instead, the unchanged state in its `.state`.
     """
     batch = self._device_batch(batch)
     new, metrics, _ = self._step(state, batch)
     loss = float(_first_shard(metrics["loss"]))
     metrics = {"loss": loss, "finite": bool(np.isfinite(loss))}
     if self.stop_on_nan and not metrics["finite"]:
-      raise PipelineRuntimeError(
-        f"the loss is {loss} at step {int(_first_shard(new.step))}"
+      err = PipelineRuntimeError(
+        f"the loss is {loss} at step {int(_first_shard(new.step))}; the "
+        "step was skipped (its state is the error's .state)"
       )
+      err.state = new
+      raise err
     return new, metrics
 
   def loss_and_grads(self, state: TrainState, batch) -> tuple[float, dict]:
