@@ -1,7 +1,8 @@
 """Every experiment is an absl app on `experiments.common`: progress, --quiet.
 
 Static (ast) for every app in experiments/: its flags include
-`common.define_flags()` (--quiet), its `main` starts with `common.start`,
+`common.define_flags()` (--quiet; directly or through another experiment's
+`define_flags()`), its `main` starts with `common.start`,
 and it reports progress through `common.log` / `common.Progress`. One cheap
 app also runs twice, with and without --quiet.
 """
@@ -45,6 +46,26 @@ def _function(tree: ast.Module, name: str) -> ast.FunctionDef | None:
   )
 
 
+def _defines_quiet(path: pathlib.Path, seen=()) -> bool:
+  """Whether the module's (_)define_flags() calls common.define_flags(),
+  directly or through another experiment's define_flags()."""
+  tree = ast.parse(path.read_text())
+  flags_fn = _function(tree, "define_flags") or _function(tree, "_define_flags")
+  if flags_fn is None:
+    return False
+  for call in _calls(flags_fn):
+    module, _, name = call.rpartition(".")
+    if name != "define_flags" or not module:
+      continue
+    if module == "common":
+      return True
+    other = ROOT / "experiments" / f"{module}.py"
+    if other.exists() and other not in seen:
+      if _defines_quiet(other, (*seen, path)):
+        return True
+  return False
+
+
 def test_the_apps_are_found():
   names = {p.stem for p in APPS}
   assert {"train", "plan", "reproduce", "compare_planners"} <= names
@@ -68,9 +89,7 @@ def test_the_apps_are_found():
 )
 def test_app_uses_the_shared_progress_and_quiet_flag(path):
   tree = ast.parse(path.read_text())
-  flags_fn = _function(tree, "define_flags")
-  assert flags_fn is not None, "no define_flags()"
-  assert "common.define_flags" in _calls(flags_fn), "no --quiet"
+  assert _defines_quiet(path), "no define_flags() with --quiet"
   main = _function(tree, "main")
   assert main is not None, "no main(argv)"
   body = [
