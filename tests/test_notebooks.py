@@ -50,9 +50,8 @@ def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
   notebook = nbformat.read(path, as_version=4)
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-  monkeypatch.setenv(
-    "PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-  )
+  paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
   client = nbclient.NotebookClient(
     notebook,
     timeout=CELL_TIMEOUT_S,
