@@ -317,10 +317,11 @@ def apply_smoke(options):
 def measure(cases_, num_stages: int, options, say) -> dict:
   """Rows of `cases_` on `num_stages` devices, and the empty tick."""
   rows = []
+  progress = common.Progress(len(cases_) * len(SCHEDULES), "row", say=say)
   for case in cases_:
     for schedule in SCHEDULES:
       row = measure_row(case, schedule, num_stages, options)
-      say(
+      progress.step(
         f"{num_stages} dev {case.model} B={case.batch_size} "
         f"m={case.microbatches} {schedule}: ours "
         f"{row['ours_step_s'] * 1e3:.1f} ms, plain "

@@ -172,17 +172,16 @@ def main(argv):
     for _ in range(3):  # compile and warm up
       states[name], _ = trainers[name].step(states[name], batch)
   times = {name: [] for name in plans}
-  for i in range(options.pairs):
+  progress = common.Progress(options.pairs, "pair", every=5, say=say)
+  for _ in range(options.pairs):
     for name in ("sequential", "graphpipe"):
       start = time.perf_counter()
       states[name], metrics = trainers[name].step(states[name], batch)
       times[name].append(time.perf_counter() - start)
-    if i % 5 == 4:
-      say(
-        f"pair {i + 1}/{options.pairs}: sequential "
-        f"{times['sequential'][-1] * 1e3:.1f} ms, graphpipe "
-        f"{times['graphpipe'][-1] * 1e3:.1f} ms"
-      )
+    progress.step(
+      f"sequential {times['sequential'][-1] * 1e3:.1f} ms, graphpipe "
+      f"{times['graphpipe'][-1] * 1e3:.1f} ms"
+    )
   ratios = [
     s / g for s, g in zip(times["sequential"], times["graphpipe"], strict=True)
   ]

@@ -169,24 +169,31 @@ class Progress:
   Args:
     total: the number of steps.
     what: what one step is called ('step', 'epoch', 'sweep point', ...).
+    every: log every `every`-th step (and the last); for fast loops.
+    say: where the lines go (default `log`; a no-op on the processes of a
+      multi-process run that are not the leader).
   """
 
-  def __init__(self, total: int, what: str = "step"):
+  def __init__(self, total: int, what: str = "step", every: int = 1, say=None):
     self.total = max(1, int(total))
     self.what = what
+    self.every = max(1, int(every))
+    self.say = say or log
     self.done = 0
     self.begin = time.perf_counter()
 
   def step(self, note: str = "") -> None:
-    """Marks one more step done and logs it."""
+    """Marks one more step done and logs it (every `every` steps)."""
     self.done += 1
+    if self.done % self.every and self.done < self.total:
+      return
     elapsed = time.perf_counter() - self.begin
     left = elapsed / self.done * (self.total - self.done)
     timing = f"{_seconds(elapsed)} elapsed"
     if self.done < self.total:
       timing += f", ~{_seconds(left)} left"
     text = f"{self.what} {self.done}/{self.total}"
-    log(f"{text}: {note} ({timing})" if note else f"{text} ({timing})")
+    self.say(f"{text}: {note} ({timing})" if note else f"{text} ({timing})")
 
 
 def _seconds(value: float) -> str:

@@ -67,8 +67,10 @@ def compare(
         f"unknown planner {planner!r}: use any of {', '.join(PLANNERS)}"
       )
   device_spec(device)
-  total = len(model_names) * len(device_counts) * len(planners)
-  rows, done = [], 0
+  progress = common.Progress(
+    len(model_names) * len(device_counts) * len(planners), "configuration"
+  )
+  rows = []
   for name in model_names:
     start = time.perf_counter()
     graph = models.capture_zoo(name, config)
@@ -79,7 +81,6 @@ def compare(
     for num_devices in device_counts:
       batch_size = models.default_batch_size(name, num_devices)
       for planner in planners:
-        done += 1
         row = {
           "model": name,
           "num_devices": num_devices,
@@ -104,9 +105,8 @@ def compare(
           row["error"] = str(err)
           note = f"no plan: {err}"
         rows.append(row)
-        common.log(
-          f"[{done:>{len(str(total))}}/{total}] {name:<12} "
-          f"{num_devices:>3} devices {planner:<10} {note}"
+        progress.step(
+          f"{name:<12} {num_devices:>3} devices {planner:<10} {note}"
         )
   return {"rows": rows, "ratios": ratios(rows)}
 
