@@ -273,6 +273,11 @@ def digits(
   Raises:
     DataError: scikit-learn is not installed (the `data` extra).
   """
+  if image_size < 1 or not 0 < test_fraction < 1:
+    raise DataError(
+      f"digits needs image_size >= 1 and test_fraction in (0, 1), got "
+      f"{image_size} and {test_fraction}"
+    )
   try:
     from sklearn.datasets import load_digits
   except ImportError:
@@ -404,6 +409,12 @@ def synthetic(
     test: held-out images.
     seed: seed of prototypes, noise and labels.
   """
+  if min(num_classes, image_size, channels, train, test) < 1:
+    raise DataError(
+      "synthetic needs num_classes, image_size, channels, train and test "
+      f"of at least 1, got {num_classes}, {image_size}, {channels}, {train}, "
+      f"{test}"
+    )
   rng = np.random.default_rng(seed)
   shape = (image_size, image_size, channels)
   prototypes = rng.random((num_classes, *shape), dtype=np.float32)

@@ -167,6 +167,8 @@ def node_mesh(num_nodes: int, devices=None) -> Mesh:
     DistributedError: fewer devices than nodes.
   """
   devices = list(jax.devices() if devices is None else devices)
+  if num_nodes < 1:
+    raise DistributedError(f"num_nodes must be at least 1, got {num_nodes}")
   if len(devices) < num_nodes:
     raise DistributedError(
       f"{num_nodes} nodes need {num_nodes} devices, {len(devices)} found; on "

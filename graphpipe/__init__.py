@@ -16,6 +16,7 @@ graphpipe.models import capture_zoo` (tests/graphpipe/test_docstrings.py
 runs them all).
 """
 
+from graphpipe.core.drawing import draw_graph
 from graphpipe.core.graph import Edge, InputSpec, Node, OpGraph
 from graphpipe.core.stages import Plan, Stage
 from graphpipe.errors import (
@@ -32,6 +33,7 @@ from graphpipe.errors import (
   PipelineRuntimeError,
   PlanError,
   PlotsUnavailableError,
+  ProcessLostError,
   ScheduleError,
   SimulationError,
 )
@@ -70,6 +72,7 @@ __all__ = [
   "Plan",
   "PlanError",
   "PlotsUnavailableError",
+  "ProcessLostError",
   "Report",
   "Schedule",
   "ScheduleError",
@@ -80,6 +83,7 @@ __all__ = [
   "capture",
   "check_plan",
   "check_schedule",
+  "draw_graph",
   "plan",
   "plan_and_simulate",
   "schedule_for",

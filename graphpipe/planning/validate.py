@@ -27,12 +27,11 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
     >>> graph = capture_zoo("two_branch", "paper")
     >>> p = graphpipe.plan(graph, num_devices=8, batch_size=8)
     >>> check_plan(p, graph, memory_bytes=16e9)   # passes silently
-    >>> check_plan(p, graph, memory_bytes=0.1 * 2**30)
+    >>> check_plan(p, graph, memory_bytes=2**30)    # 1 GiB: the branches
     Traceback (most recent call last):
     ...
-    graphpipe.errors.PlanError: invalid plan: stage 0 needs 0.36 GiB per
-    device, over 0.1 GiB; stage 1 needs 0.317 GiB per device, over 0.1 GiB;
-    ...
+    graphpipe.errors.PlanError: invalid plan: stage 0 needs 1.08 GiB per
+    device, over 1 GiB; stage 1 needs 1.09 GiB per device, over 1 GiB
 
   Args:
     p: the plan.
