@@ -106,9 +106,6 @@ def define_flags() -> None:
   common.define_flags()
 
 
-log = common.log
-
-
 def run(settings: Settings, out: str) -> dict:
   """The whole experiment; returns what it writes to `out`/results.json.
 
@@ -147,7 +144,7 @@ def run(settings: Settings, out: str) -> dict:
       f"{dataset.name} images are {dataset.image_shape}: pass the dataset "
       "and image size it was trained with"
     )
-  log(
+  common.log(
     f"{type(model).__name__} over {config.num_nodes} nodes, comm ratio "
     f"{prune.comm_ratio(model):.3f}; {len(dataset.x_test)} held-out images"
   )
@@ -162,8 +159,10 @@ def run(settings: Settings, out: str) -> dict:
   results["accuracy_single_device"] = train.accuracy(
     model, dataset.x_test, dataset.y_test
   )
-  log(f"one device: accuracy {results['accuracy_single_device']:.4f}")
-  log("compiling distributed inference (DISCO and dense channel parallelism)")
+  common.log(f"one device: accuracy {results['accuracy_single_device']:.4f}")
+  common.log(
+    "compiling distributed inference (DISCO and dense channel parallelism)"
+  )
   mesh = distributed.node_mesh(config.num_nodes)
   disco = distributed.distribute(model, mesh)
   dense = distributed.distribute(metrics.with_masks(model, True), mesh)
@@ -172,12 +171,12 @@ def run(settings: Settings, out: str) -> dict:
   results["max_abs_error_vs_single_device"] = float(
     np.abs(logits - single_logits).max()
   )
-  log(
+  common.log(
     f"distributed: accuracy {results['accuracy']:.4f}, max |logits - one "
     f"device| {results['max_abs_error_vs_single_device']:.2e}"
   )
   results.update(_bytes(model, disco, dense, batch))
-  log(
+  common.log(
     f"bytes per inference: measured {results['bytes_per_inference_measured']}"
     f", from masks {results['bytes_per_inference_from_masks']}, dense "
     f"{results['bytes_per_inference_dense']} "
@@ -191,7 +190,7 @@ def run(settings: Settings, out: str) -> dict:
   )
   results["plot"] = _plot(results["latency_model"], batch, out)
   results["wall_seconds"] = round(time.perf_counter() - started, 1)
-  log(f"wrote {common.write_results(out, results)}")
+  common.log(f"wrote {common.write_results(out, results)}")
   return results
 
 
@@ -287,7 +286,7 @@ def _measure(single, dense, disco, shape, batch: int, repeats: int) -> dict:
       figures[name][key] = 1e3 * float(np.median(times[name]))
       if size == batch:
         figures[name]["cores_busy"] = _cores_busy(runners[name], placed[name])
-    log(
+    common.log(
       f"latency {key} (batch {size}): "
       + ", ".join(f"{n} {figures[n][key]:.3f} ms" for n in runners)
     )
@@ -343,7 +342,7 @@ def _predict(model, settings: Settings, one_device_ms: float, batch: int):
         )
   for name, bits in crossover["per_batch"].items():
     where = "never" if bits is None else f"above {bits / 1e6:.1f} Mb/s"
-    log(f"latency model, batch {batch}: {name} beats one device {where}")
+    common.log(f"latency model, batch {batch}: {name} beats one device {where}")
   return {
     "flops_per_second": flops_per_second,
     "message_latency_s": settings.message_latency,
@@ -391,7 +390,7 @@ def _plot(latency_model: dict, batch: int, out: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
-    log("plot skipped: matplotlib is missing (pip install '.[plots]')")
+    common.log("plot skipped: matplotlib is missing (pip install '.[plots]')")
     return None
   bandwidths = latency_model["bandwidths_bits_per_s"]
   figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -412,7 +411,7 @@ def _plot(latency_model: dict, batch: int, out: str):
   path = os.path.join(out, "latency.png")
   figure.savefig(path, dpi=120)
   plt.close(figure)
-  log(f"wrote {path}")
+  common.log(f"wrote {path}")
   return path
 
 
