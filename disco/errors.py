@@ -43,6 +43,10 @@ class HloError(DiscoError, ValueError):
   """HLO text that is unreadable or has a collective that cannot be counted."""
 
 
+class InputError(DiscoError, ValueError):
+  """An input array whose shape the layer or model cannot take."""
+
+
 class CheckpointError(DiscoError):
   """A checkpoint is missing, malformed or from another architecture."""
 
@@ -58,6 +62,7 @@ __all__ = [
   "DiscoError",
   "DistributedError",
   "HloError",
+  "InputError",
   "MetricsError",
   "PartitionError",
   "PruneError",

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from disco.errors import PartitionError
+from disco.errors import ConfigError, InputError, PartitionError
 from disco.observe import Observed, OpCost, positions
 from disco.splits import split_channels
 
@@ -220,6 +220,7 @@ class DiscoDense(DiscoLayer):
     super().__init__(in_features, out_features, (), **kwargs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    _check_input(self, x, None)
     y = self._add_bias(x @ self.masked_kernel())
     self.observe(x, y)
     return y
@@ -236,6 +237,9 @@ class DiscoConv(DiscoLayer):
     >>> conv = DiscoConv(8, 16, 3, num_nodes=2, strides=2, rngs=nnx.Rngs(0))
     >>> conv(jnp.ones((1, 8, 8, 8))).shape
     (1, 4, 4, 16)
+    >>> atrous = DiscoConv(8, 8, 3, num_nodes=2, dilation=2, rngs=nnx.Rngs(0))
+    >>> atrous(jnp.ones((1, 8, 8, 8))).shape
+    (1, 8, 8, 8)
 
   Args:
     in_features: input channels (last axis).
@@ -243,6 +247,8 @@ class DiscoConv(DiscoLayer):
     kernel_size: an int or (height, width).
     strides: an int or (height, width).
     padding: "SAME" or "VALID".
+    dilation: an int or (height, width): the kernel's dilation (atrous
+      convolution; 1 = none).
     **kwargs: the splits, mask and initializers of `DiscoLayer`.
   """
 
@@ -254,19 +260,28 @@ class DiscoConv(DiscoLayer):
     *,
     strides=1,
     padding: str = "SAME",
+    dilation=1,
     **kwargs,
   ):
     kernel_size = _pair(kernel_size)
+    if min(kernel_size) < 1 or min(_pair(strides)) < 1:
+      raise ConfigError(
+        f"kernel size and strides must be at least 1, got {kernel_size} and "
+        f"{_pair(strides)}"
+      )
     super().__init__(in_features, out_features, kernel_size, **kwargs)
     self.strides = _pair(strides)
     self.padding = padding
+    self.dilation = _pair(dilation)
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    _check_input(self, x, 4)
     y = jax.lax.conv_general_dilated(
       x,
       self.masked_kernel(),
       window_strides=self.strides,
       padding=self.padding,
+      rhs_dilation=self.dilation,
       dimension_numbers=("NHWC", "HWIO", "NHWC"),
     )
     y = self._add_bias(y)
@@ -282,3 +297,17 @@ def _pair(value) -> tuple[int, int]:
   if isinstance(value, int):
     return (value, value)
   return tuple(int(v) for v in value)
+
+
+def _check_input(layer, x, ndim) -> None:
+  """The input's channels (last axis) and, for a conv, NHWC rank."""
+  shape = tuple(np.shape(x))
+  if (ndim is not None and len(shape) != ndim) or (
+    not shape or shape[-1] != layer.in_features
+  ):
+    want = "(batch, height, width, C)" if ndim == 4 else "(..., C)"
+    raise InputError(
+      f"{type(layer).__name__}({layer.in_features} -> "
+      f"{layer.out_features}) takes inputs of shape {want} with C = "
+      f"{layer.in_features}, got {shape}"
+    )

@@ -47,6 +47,7 @@ from disco.exchange import (
   ConvSpec,
   Exchange,
   NormSpec,
+  concat,
   conv,
   dense,
   exchange,
@@ -241,7 +242,8 @@ class NodeOps:
     if not module.replicated_input:
       x = self._input(x, self._plans[_path(self._names, module.mask)])
     if isinstance(module, DiscoConv):
-      return conv(x, weights, ConvSpec(module.strides, module.padding))
+      spec = ConvSpec(module.strides, module.padding, module.dilation)
+      return conv(x, weights, spec)
     return dense(x, weights)
 
   def param(self, variable: nnx.Variable) -> jax.Array:
@@ -251,6 +253,10 @@ class NodeOps:
   def output(self, layer: nnx.Module, x: jax.Array) -> jax.Array:
     """Every node's outputs of `layer`, complete on node 0."""
     return gather_logits(self.layer(layer, x), layer.out_split)
+
+  def concat(self, tensors, splits) -> jax.Array:
+    """The node's blocks of `tensors`, one after another (no exchange)."""
+    return concat(tensors, splits)
 
   def _weights(self, owner):
     name = _path(self._names, owner)
@@ -263,6 +269,13 @@ class NodeOps:
 
   def _input(self, x: jax.Array, plan: Exchange) -> jax.Array:
     key = (id(x), id(plan))
+    for other_x, other_plan in self._inputs:
+      if other_x == id(x) and other_plan != id(plan):
+        raise DistributedError(
+          "a tensor is read through two different CommMasks: its channels "
+          "would cross the links once per mask; let every layer that reads "
+          "one tensor share one mask (disco.layers)"
+        )
     if key not in self._inputs:
       # Keeping x alive keeps its id from being reused during the trace.
       self._inputs[key] = (x, exchange(x, plan))

@@ -13,8 +13,9 @@ costs each node, from the masks as they are:
   it owns, every position of them, in `itemsize`-byte values. Layers that
   read the same tensor send each channel once (the union of their masks).
   The replicated input image crosses no link. LayerNorm statistics (see
-  `disco.transformer`) and the final gather of the logits to node 0 count
-  too.
+  `disco.transformer`) and the gather of the outputs to node 0 count too
+  (one gather per `ops.output` of the model's forward: a detector has one
+  per head).
 - Parameters per node: the columns a node holds with the rows its mask
   drops left out, plus norm parameters of its channels; parameters outside
   observed modules (class token, position embeddings, batch norm) are
@@ -38,6 +39,7 @@ from flax import nnx
 from disco.errors import MetricsError
 from disco.layers import CommMask, DiscoLayer
 from disco.observe import Observed
+from disco.ops import OneDevice
 from disco.splits import split_channels
 
 
@@ -199,12 +201,12 @@ def count(model: nnx.Module, input_shape=None, *, itemsize: int = 4):
     MetricsError: no input shape is known, or the model has no DISCO layer.
   """
   input_shape = _input_shape(model, input_shape)
-  calls, output = _trace(model, input_shape)
   modules = dict(nnx.iter_modules(model))
   disco_layers = [m for m in modules.values() if isinstance(m, DiscoLayer)]
   if not disco_layers:
     raise MetricsError(f"{type(model).__name__} has no DISCO layer to count")
   num_nodes = disco_layers[0].num_nodes
+  calls, outputs = _trace(model, input_shape, num_nodes)
   costs = [modules[path].cost(x.shape, y.shape) for path, x, y in calls]
   traffic = _tensor_traffic(calls, costs, num_nodes, itemsize)
   layers = []
@@ -224,7 +226,8 @@ def count(model: nnx.Module, input_shape=None, *, itemsize: int = 4):
         * itemsize,
       )
     )
-  layers.append(_output_gather(output, num_nodes, itemsize))
+  for name, split, shape in outputs:
+    layers.append(_output_gather(name, split, shape, num_nodes, itemsize))
   total, shared = _param_counts(model, {path for path, _, _ in calls})
   return CostReport(num_nodes, tuple(layers), shared, total, itemsize)
 
@@ -312,7 +315,9 @@ class LatencyModel:
   `flops_per_second`, plus, when it communicates, the slowest sender's
   time: per message `message_latency`, and its bytes at `bytes_per_second`
   (each node sends its messages one after another over its own link).
-  Compute and communication do not overlap: an upper bound.
+  Compute and communication do not overlap: an upper bound. With `shared`
+  the nodes share one link (a bus, or one throttled loopback): a layer's
+  messages then go one after another, all senders' bytes together.
 
   Example:
     >>> from flax import nnx
@@ -327,11 +332,13 @@ class LatencyModel:
     flops_per_second: compute rate of one node.
     bytes_per_second: bandwidth of a node's link.
     message_latency: seconds added per message.
+    shared: the nodes share one link of `bytes_per_second`.
   """
 
   flops_per_second: float
   bytes_per_second: float
   message_latency: float
+  shared: bool = False
 
   def layer_times(self, report: CostReport) -> list[tuple[float, float]]:
     """(compute seconds, communication seconds) per layer."""
@@ -343,7 +350,7 @@ class LatencyModel:
         + sum(row) / self.bytes_per_second
         for row in layer.traffic
       ]
-      times.append((compute, max(sends)))
+      times.append((compute, sum(sends) if self.shared else max(sends)))
     return times
 
   def latency(self, report: CostReport) -> float:
@@ -367,10 +374,29 @@ def _input_shape(model, input_shape):
   return (1, size, size, config.in_channels)
 
 
-def _trace(model, input_shape):
-  """Runs the forward abstractly; returns (path, x, y) per observed call."""
+class _Outputs(OneDevice):
+  """One-device ops that note every output the forward gathers."""
+
+  def __init__(self, names):
+    self.names = names
+    self.seen = []  # (name, split, shape)
+
+  def output(self, layer, x):
+    y = layer(x)
+    self.seen.append((self.names[id(layer)], layer.out_split, y.shape))
+    return y
+
+
+def _trace(model, input_shape, num_nodes):
+  """Runs the forward abstractly.
+
+  Returns (path, x, y) per observed call, and (name, split, shape) per
+  output gathered on node 0: those `ops.output` receives when the model
+  has a `forward(x, ops)`, else the model's output split evenly.
+  """
   graphdef, state = nnx.split(model)
   calls = []
+  outputs = []
 
   def forward(state, x):
     # A copy, so the hook and any batch-norm update stay inside the trace.
@@ -378,11 +404,21 @@ def _trace(model, input_shape):
     for path, module in nnx.iter_modules(clone):
       if isinstance(module, Observed):
         module.observer = lambda _, x, y, path=path: calls.append((path, x, y))
-    return clone(x)
+    if not hasattr(clone, "forward"):
+      return clone(x)
+    names = {id(m): ".".join(map(str, p)) for p, m in nnx.iter_modules(clone)}
+    ops = _Outputs(names)
+    y = clone.forward(x, ops)
+    outputs.extend(ops.seen)
+    return y
 
   x = jax.ShapeDtypeStruct(input_shape, jnp.float32)
   output = jax.eval_shape(forward, state, x)
-  return calls, output
+  if not outputs:
+    channels = output.shape[-1]
+    split = split_channels(channels, num_nodes, what="model outputs")
+    outputs.append(("", split, output.shape))
+  return calls, outputs
 
 
 def _tensor_traffic(calls, costs, num_nodes, itemsize):
@@ -409,15 +445,14 @@ def _tensor_traffic(calls, costs, num_nodes, itemsize):
   return traffic
 
 
-def _output_gather(output, num_nodes, itemsize):
-  """The logits, split like the head's outputs, gathered on node 0."""
-  split = split_channels(output.shape[-1], num_nodes, what="model outputs")
-  per_channel = math.prod(output.shape[:-1]) * itemsize
+def _output_gather(name, split, shape, num_nodes, itemsize):
+  """An output, split like its layer's outputs, gathered on node 0."""
+  per_channel = math.prod(shape[:-1]) * itemsize
   traffic = np.zeros((num_nodes, num_nodes), np.int64)
   for node in range(1, num_nodes):
     traffic[node, 0] = split.sizes[node] * per_channel
   return LayerCost(
-    name="(output gather to node 0)",
+    name=f"(output {name} gathered to node 0)".replace("output  ", "output "),
     kind="gather",
     flops=(0,) * num_nodes,
     params=(0,) * num_nodes,

@@ -8,6 +8,9 @@ to `ops` every step whose work depends on where it runs:
   ops.param(variable)               a per-channel parameter, e.g. a class
                                     token
   ops.output(layer, x)              the last layer: its outputs, complete
+                                    (a model may have several)
+  ops.concat(tensors, splits)       channels of several tensors, node by
+                                    node (each node keeps its blocks)
 
 Everything else (activations, pooling, residual adds, reshapes, attention
 within a node's heads) acts per channel and is written as plain JAX. On one
@@ -20,6 +23,7 @@ directly. `disco.lowering.NodeOps` runs the same forward on one node inside
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 
@@ -39,6 +43,16 @@ class Ops(Protocol):
 
   def output(self, layer: nnx.Module, x: jax.Array) -> jax.Array:
     """The model's last layer on `x`: its outputs, all channels."""
+    ...
+
+  def concat(self, tensors, splits) -> jax.Array:
+    """`tensors` concatenated by channels, node by node.
+
+    Node j's channels of the result are its block of `tensors[0]`, then
+    its block of `tensors[1]`, ...: a fixed relabelling of the plain
+    concatenation that keeps every channel on its node, split as
+    `disco.splits.concatenated(splits)`.
+    """
     ...
 
 
@@ -67,6 +81,22 @@ class OneDevice:
   def output(self, layer: nnx.Module, x: jax.Array) -> jax.Array:
     """`layer(x)`."""
     return layer(x)
+
+  def concat(self, tensors, splits) -> jax.Array:
+    """Node by node concatenation (see `Ops.concat`).
+
+    Example (node 0 owns a0 and b0, node 1 a1 and b1):
+      >>> from disco.splits import Split
+      >>> a, b = jnp.array([[0., 1.]]), jnp.array([[2., 3.]])
+      >>> ONE_DEVICE.concat([a, b], [Split((1, 1)), Split((1, 1))])
+      Array([[0., 2., 1., 3.]], dtype=float32)
+    """
+    pieces = []
+    for node in range(splits[0].num_nodes):
+      for x, split in zip(tensors, splits, strict=True):
+        start = split.start(node)
+        pieces.append(x[..., start : start + split.sizes[node]])
+    return jnp.concatenate(pieces, axis=-1)
 
 
 ONE_DEVICE = OneDevice()

@@ -148,6 +148,10 @@ def to_ratio(
       f"budget must be one of {BUDGETS} and selection one of {SELECTIONS}, "
       f"got {budget!r} and {selection!r}"
     )
+  if not any(isinstance(m, DiscoLayer) for _, m in nnx.iter_modules(model)):
+    raise PruneError(
+      f"{type(model).__name__} has no DISCO layers: there is nothing to prune"
+    )
   groups = mask_groups(model)
   scores = [
     _scores(g, index, selection, seed) for index, g in enumerate(groups)

@@ -104,3 +104,30 @@ def split_channels(
     )
   base, extra = divmod(channels, num_nodes)
   return Split(tuple(base + (n < extra) for n in range(num_nodes)))
+
+
+def concatenated(splits) -> Split:
+  """The split of tensors concatenated node by node (see `disco.ops`).
+
+  Node j holds its block of every tensor, one after another, so the
+  concatenation's block j is as wide as node j's blocks together.
+
+  Example:
+    >>> concatenated([Split((2, 2)), Split((3, 1))]).sizes
+    (5, 3)
+
+  Args:
+    splits: the `Split` of each tensor, all over the same nodes.
+
+  Raises:
+    PartitionError: splits over different numbers of nodes.
+  """
+  splits = list(splits)
+  if not splits or len({s.num_nodes for s in splits}) != 1:
+    raise PartitionError(
+      "tensors concatenated by channels must be split over the same nodes, "
+      f"got {[s.sizes for s in splits]}"
+    )
+  return Split(
+    tuple(sum(s.sizes[j] for s in splits) for j in range(splits[0].num_nodes))
+  )

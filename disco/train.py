@@ -1,4 +1,4 @@
-"""Training and evaluation of DISCO models for image classification.
+"""Training and evaluation of DISCO models (classification by default).
 
 One jitted step serves every phase and every model of one architecture:
 the masks and the hyperparameters (learning rate, weight decay, group-lasso
@@ -68,6 +68,7 @@ def fit(
   seed: int = 0,
   schedule: prune.GradualSchedule | None = None,
   progress=None,
+  loss=None,
 ) -> list[float]:
   """Trains `model` in place; optionally prunes along `schedule`.
 
@@ -89,6 +90,9 @@ def fit(
     schedule: gradual pruning, counted in steps of this run; after its last
       step the masks stay fixed (fine-tuning).
     progress: called with one line of text per epoch.
+    loss: (model outputs, a batch of `labels`) -> mean loss, a function
+      jit can treat as static (default: `classification_loss`). `labels`
+      may be any array of per-example targets.
 
   Returns:
     the mean training loss of every epoch.
@@ -101,6 +105,7 @@ def fit(
       f"{len(images)} training images are fewer than one batch of "
       f"{config.batch_size}"
     )
+  loss_of = loss or classification_loss
   steps_per_epoch = config.steps_per_epoch(len(images))
   total = config.epochs * steps_per_epoch
   # optax needs at least one warmup step and one decay step.
@@ -138,6 +143,7 @@ def fit(
         learning_rates[step],
         config.weight_decay,
         config.group_lasso if pruning else 0.0,
+        loss_of,
       )
       epoch_loss = epoch_loss + loss
       step += 1
@@ -189,7 +195,19 @@ def accuracy(
   return correct / len(images)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+def classification_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Mean softmax cross-entropy of integer labels.
+
+  Example:
+    >>> float(classification_loss(jnp.zeros((2, 4)), jnp.array([0, 3])))
+    1.386...
+  """
+  return jnp.mean(
+    optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 10))
 def _train_step(
   graphdef,
   params,
@@ -201,15 +219,15 @@ def _train_step(
   learning_rate,
   weight_decay,
   group_lasso,
+  loss_of,
 ):
   def loss_fn(params):
     # copy=True: the batch statistics are updated inside this trace.
     model = nnx.merge(graphdef, params, masks, rest, copy=True)
-    logits = model(images)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    loss = loss_of(model(images), labels)
     penalty = prune.group_norm_penalty(model)
     *_, new_rest = nnx.split(model, nnx.Param, CommMask, ...)
-    return jnp.mean(loss) + group_lasso * penalty, (jnp.mean(loss), new_rest)
+    return loss + group_lasso * penalty, (loss, new_rest)
 
   (_, (loss, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
   optimizer = optax.adamw(learning_rate, weight_decay=weight_decay)

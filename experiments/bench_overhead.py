@@ -62,7 +62,8 @@ if __name__ == "__main__":
 SCHEDULES = ("1f1b", "gpipe")
 
 
-def _define_flags():
+def define_flags():
+  """This experiment's flags (`experiments.gpu_check` reuses them)."""
   common.define_flags()
   flags.DEFINE_list("mlp_widths", ["512", "1024"], "Widths of the tanh MLP.")
   flags.DEFINE_list("mlp_batch_sizes", ["256", "512"], "MLP batch sizes.")
@@ -78,15 +79,23 @@ def _define_flags():
     ["512:256:4", "1024:512:8"],
     "Two-stage MLP rows as width:batch:micro-batches ('' for none).",
   )
-  flags.DEFINE_integer("pairs", 15, "Timed (ours, plain) pairs per row.")
-  flags.DEFINE_integer("warmup", 2, "Untimed steps per system and row.")
-  flags.DEFINE_integer("idle_ticks", 64, "Idle ticks for the empty tick.")
+  flags.DEFINE_integer(
+    "pairs", 15, "Timed (ours, plain) pairs per row.", lower_bound=1
+  )
+  flags.DEFINE_integer(
+    "warmup", 2, "Untimed steps per system and row.", lower_bound=0
+  )
+  flags.DEFINE_integer(
+    "idle_ticks", 64, "Idle ticks for the empty tick.", lower_bound=1
+  )
   flags.DEFINE_float("learning_rate", 0.05, "SGD learning rate.")
   flags.DEFINE_integer("core", 0, "Core of the one-device process.")
   flags.DEFINE_bool(
     "smoke", False, "Tiny sizes and 2 pairs: checks the machinery only."
   )
   flags.DEFINE_string("out", None, "Output folder.", required=True)
+  for name in ("mlp_widths", "mlp_batch_sizes", "microbatches"):
+    common.check_int_list(name)
 
 
 def alternate(systems: dict, pairs: int, warmup: int) -> dict:
@@ -308,10 +317,11 @@ def apply_smoke(options):
 def measure(cases_, num_stages: int, options, say) -> dict:
   """Rows of `cases_` on `num_stages` devices, and the empty tick."""
   rows = []
+  progress = common.Progress(len(cases_) * len(SCHEDULES), "row", say=say)
   for case in cases_:
     for schedule in SCHEDULES:
       row = measure_row(case, schedule, num_stages, options)
-      say(
+      progress.step(
         f"{num_stages} dev {case.model} B={case.batch_size} "
         f"m={case.microbatches} {schedule}: ours "
         f"{row['ours_step_s'] * 1e3:.1f} ms, plain "
@@ -388,5 +398,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  _define_flags()
+  define_flags()
   app.run(main)

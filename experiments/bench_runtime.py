@@ -42,17 +42,22 @@ if __name__ == "__main__" and "GRAPHPIPE_PROCESS_ID" in os.environ:
 def define_flags():
   """This experiment's flags (defined when run, so tests import freely)."""
   common.define_flags()
-  flags.DEFINE_integer("in_features", 256, "Tower input width.")
-  flags.DEFINE_integer("hidden", 512, "Tower layer width.")
-  flags.DEFINE_integer("tower_layers", 4, "Layers per tower.")
+  flags.DEFINE_integer("in_features", 256, "Tower input width.", lower_bound=1)
+  flags.DEFINE_integer("hidden", 512, "Tower layer width.", lower_bound=1)
+  flags.DEFINE_integer("tower_layers", 4, "Layers per tower.", lower_bound=1)
   flags.DEFINE_integer(
     "batch_size",
     1024,
     "Samples per step (large enough that compute, not the per-step "
     "optimizer and host costs, dominates; see BUILD.md for smaller).",
+    lower_bound=1,
   )
-  flags.DEFINE_integer("microbatches", 4, "Micro-batches per step.")
-  flags.DEFINE_integer("pairs", 30, "Timed (sequential, graphpipe) pairs.")
+  flags.DEFINE_integer(
+    "microbatches", 4, "Micro-batches per step.", lower_bound=1
+  )
+  flags.DEFINE_integer(
+    "pairs", 30, "Timed (sequential, graphpipe) pairs.", lower_bound=1
+  )
   flags.DEFINE_string("out", None, "Output folder.", required=True)
 
 
@@ -167,17 +172,16 @@ def main(argv):
     for _ in range(3):  # compile and warm up
       states[name], _ = trainers[name].step(states[name], batch)
   times = {name: [] for name in plans}
-  for i in range(options.pairs):
+  progress = common.Progress(options.pairs, "pair", every=5, say=say)
+  for _ in range(options.pairs):
     for name in ("sequential", "graphpipe"):
       start = time.perf_counter()
       states[name], metrics = trainers[name].step(states[name], batch)
       times[name].append(time.perf_counter() - start)
-    if i % 5 == 4:
-      say(
-        f"pair {i + 1}/{options.pairs}: sequential "
-        f"{times['sequential'][-1] * 1e3:.1f} ms, graphpipe "
-        f"{times['graphpipe'][-1] * 1e3:.1f} ms"
-      )
+    progress.step(
+      f"sequential {times['sequential'][-1] * 1e3:.1f} ms, graphpipe "
+      f"{times['graphpipe'][-1] * 1e3:.1f} ms"
+    )
   ratios = [
     s / g for s, g in zip(times["sequential"], times["graphpipe"], strict=True)
   ]

@@ -111,6 +111,33 @@ def define_flags() -> None:
   )
 
 
+def check_int_list(name: str, minimum: int = 1) -> None:
+  """Makes list flag `--name` a usage error unless it holds integers >=
+  `minimum` (a bad value then stops the app before it starts)."""
+
+  def ok(values) -> bool:
+    try:
+      return all(int(v) >= minimum for v in values)
+    except ValueError:
+      return False
+
+  flags.register_validator(
+    name,
+    ok,
+    message=f"--{name} takes integers >= {minimum}, separated by commas",
+  )
+
+
+def check_choices(name: str, allowed) -> None:
+  """Makes list flag `--name` a usage error unless each value is allowed."""
+  allowed = tuple(allowed)
+  flags.register_validator(
+    name,
+    lambda values: set(values) <= set(allowed),
+    message=f"--{name} takes values of: {', '.join(allowed)}",
+  )
+
+
 def start(argv) -> None:
   """The first line of every experiment's `main`: arguments and logging.
 
@@ -142,24 +169,31 @@ class Progress:
   Args:
     total: the number of steps.
     what: what one step is called ('step', 'epoch', 'sweep point', ...).
+    every: log every `every`-th step (and the last); for fast loops.
+    say: where the lines go (default `log`; a no-op on the processes of a
+      multi-process run that are not the leader).
   """
 
-  def __init__(self, total: int, what: str = "step"):
+  def __init__(self, total: int, what: str = "step", every: int = 1, say=None):
     self.total = max(1, int(total))
     self.what = what
+    self.every = max(1, int(every))
+    self.say = say or log
     self.done = 0
     self.begin = time.perf_counter()
 
   def step(self, note: str = "") -> None:
-    """Marks one more step done and logs it."""
+    """Marks one more step done and logs it (every `every` steps)."""
     self.done += 1
+    if self.done % self.every and self.done < self.total:
+      return
     elapsed = time.perf_counter() - self.begin
     left = elapsed / self.done * (self.total - self.done)
     timing = f"{_seconds(elapsed)} elapsed"
     if self.done < self.total:
       timing += f", ~{_seconds(left)} left"
     text = f"{self.what} {self.done}/{self.total}"
-    log(f"{text}: {note} ({timing})" if note else f"{text} ({timing})")
+    self.say(f"{text}: {note} ({timing})" if note else f"{text} ({timing})")
 
 
 def _seconds(value: float) -> str:

@@ -67,8 +67,10 @@ def compare(
         f"unknown planner {planner!r}: use any of {', '.join(PLANNERS)}"
       )
   device_spec(device)
-  total = len(model_names) * len(device_counts) * len(planners)
-  rows, done = [], 0
+  progress = common.Progress(
+    len(model_names) * len(device_counts) * len(planners), "configuration"
+  )
+  rows = []
   for name in model_names:
     start = time.perf_counter()
     graph = models.capture_zoo(name, config)
@@ -79,7 +81,6 @@ def compare(
     for num_devices in device_counts:
       batch_size = models.default_batch_size(name, num_devices)
       for planner in planners:
-        done += 1
         row = {
           "model": name,
           "num_devices": num_devices,
@@ -104,9 +105,8 @@ def compare(
           row["error"] = str(err)
           note = f"no plan: {err}"
         rows.append(row)
-        common.log(
-          f"[{done:>{len(str(total))}}/{total}] {name:<12} "
-          f"{num_devices:>3} devices {planner:<10} {note}"
+        progress.step(
+          f"{name:<12} {num_devices:>3} devices {planner:<10} {note}"
         )
   return {"rows": rows, "ratios": ratios(rows)}
 
@@ -199,10 +199,13 @@ def define_flags() -> None:
     list(DEFAULT_PLANNERS),
     f"Planners to compare, of {', '.join(PLANNERS)}.",
   )
-  flags.DEFINE_string(
-    "device", "v100", "Device preset: v100, a100, h100, h200, cpu."
-  )
-  flags.DEFINE_string("config", "paper", "Model size: paper or tiny.")
+  from graphpipe.costs.analytic import PRESETS
+
+  flags.DEFINE_enum("device", "v100", PRESETS, "Device preset.")
+  flags.DEFINE_enum("config", "paper", models.SIZES, "Model size.")
+  common.check_choices("models", models.NAMES)
+  common.check_int_list("devices")
+  common.check_choices("planners", PLANNERS)
   flags.DEFINE_bool("plots", True, "Draw ratio.png (needs matplotlib).")
   flags.DEFINE_string("out", None, "Output folder.", required=True)
 

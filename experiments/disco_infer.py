@@ -21,40 +21,27 @@ masks by magnitude at the same ratio (not fine-tuned). Writes
 import os
 import sys
 
+from experiments import common
 
-def _single_threaded_devices(argv) -> None:
+
+def _single_threaded_devices() -> None:
   """One single-threaded CPU device per node (at least 2): before JAX starts."""
-  nodes = 2
-  for index, arg in enumerate(argv):
-    value = None
-    if arg.startswith("--num_nodes="):
-      value = arg.split("=", 1)[1]
-    elif arg == "--num_nodes" and index + 1 < len(argv):
-      value = argv[index + 1]
-    if value is not None and value.isdigit():
-      nodes = int(value)
-  kept = [
-    flag
-    for flag in os.environ.get("XLA_FLAGS", "").split()
-    if not flag.startswith("--xla_force_host_platform_device_count")
+  common.use_cpu_devices(max(2, common.int_flag_from_argv("num_nodes", 2)))
+  flags = os.environ["XLA_FLAGS"].split()
+  extra = [
+    "--xla_cpu_multi_thread_eigen=false",
+    "intra_op_parallelism_threads=1",
   ]
   os.environ["XLA_FLAGS"] = " ".join(
-    kept
-    + [
-      f"--xla_force_host_platform_device_count={max(2, nodes)}",
-      "--xla_cpu_multi_thread_eigen=false",
-      "intra_op_parallelism_threads=1",
-    ]
+    flags + [f for f in extra if f not in flags]
   )
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 if __name__ == "__main__":
-  _single_threaded_devices(sys.argv)
+  _single_threaded_devices()
 
 import dataclasses  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -63,11 +50,7 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from disco import checkpoint, data, distributed, metrics, prune, train  # noqa: E402
-from disco.errors import (  # noqa: E402
-  DataError,
-  DiscoError,
-  DistributedError,
-)
+from disco.errors import DataError, DiscoError, DistributedError  # noqa: E402
 
 BANDWIDTHS_BITS = tuple(float(b) for b in np.logspace(8, 11, 31))
 
@@ -83,7 +66,7 @@ class Settings:
   Args:
     checkpoint: a folder written by experiments.disco_train.
     num_nodes: nodes to run on; must be the checkpoint's.
-    dataset: "digits", "cifar10" or "synthetic" (as trained).
+    dataset: a classification dataset of `disco.data.TASKS` (as trained).
     data_dir: the CIFAR-10 python batch folder.
     test_fraction: share of the digits held out (as trained).
     batch_size: images per distributed call.
@@ -101,7 +84,7 @@ class Settings:
   message_latency: float = 1e-4
 
 
-def _define_flags() -> None:
+def define_flags() -> None:
   """Flags of the program; defined only when run as a program."""
   defaults = Settings(checkpoint="")
   flags.DEFINE_string("checkpoint", None, "Checkpoint folder.", required=True)
@@ -109,7 +92,7 @@ def _define_flags() -> None:
   flags.DEFINE_enum(
     "dataset",
     defaults.dataset,
-    ["digits", "cifar10", "synthetic"],
+    list(data.TASKS["classify"]),
     "Dataset the checkpoint was trained on.",
   )
   flags.DEFINE_string("data_dir", defaults.data_dir, "CIFAR-10 folder.")
@@ -120,11 +103,7 @@ def _define_flags() -> None:
     "message_latency", defaults.message_latency, "Seconds per message."
   )
   flags.DEFINE_string("out", None, "Output folder.", required=True)
-
-
-def log(text: str) -> None:
-  """Prints one progress line at once."""
-  print(text, flush=True)
+  common.define_flags()
 
 
 def run(settings: Settings, out: str) -> dict:
@@ -151,7 +130,13 @@ def run(settings: Settings, out: str) -> dict:
       f"nodes, not --num_nodes={settings.num_nodes}: pass "
       f"--num_nodes={config.num_nodes}"
     )
-  dataset = _dataset(settings, config.image_size)
+  dataset = data.load(
+    "classify",
+    settings.dataset,
+    image_size=config.image_size,
+    test_fraction=settings.test_fraction,
+    data_dir=settings.data_dir,
+  )
   shape = (config.image_size, config.image_size, config.in_channels)
   if dataset.image_shape != shape:
     raise DataError(
@@ -159,14 +144,13 @@ def run(settings: Settings, out: str) -> dict:
       f"{dataset.name} images are {dataset.image_shape}: pass the dataset "
       "and image size it was trained with"
     )
-  log(
+  common.log(
     f"{type(model).__name__} over {config.num_nodes} nodes, comm ratio "
     f"{prune.comm_ratio(model):.3f}; {len(dataset.x_test)} held-out images"
   )
   os.makedirs(out, exist_ok=True)
   results = {
     "config": dataclasses.asdict(settings),
-    "environment": _environment(),
     "definitions": _DEFINITIONS,
   }
   batch = settings.batch_size
@@ -175,8 +159,10 @@ def run(settings: Settings, out: str) -> dict:
   results["accuracy_single_device"] = train.accuracy(
     model, dataset.x_test, dataset.y_test
   )
-  log(f"one device: accuracy {results['accuracy_single_device']:.4f}")
-  log("compiling distributed inference (DISCO and dense channel parallelism)")
+  common.log(f"one device: accuracy {results['accuracy_single_device']:.4f}")
+  common.log(
+    "compiling distributed inference (DISCO and dense channel parallelism)"
+  )
   mesh = distributed.node_mesh(config.num_nodes)
   disco = distributed.distribute(model, mesh)
   dense = distributed.distribute(metrics.with_masks(model, True), mesh)
@@ -185,12 +171,12 @@ def run(settings: Settings, out: str) -> dict:
   results["max_abs_error_vs_single_device"] = float(
     np.abs(logits - single_logits).max()
   )
-  log(
+  common.log(
     f"distributed: accuracy {results['accuracy']:.4f}, max |logits - one "
     f"device| {results['max_abs_error_vs_single_device']:.2e}"
   )
   results.update(_bytes(model, disco, dense, batch))
-  log(
+  common.log(
     f"bytes per inference: measured {results['bytes_per_inference_measured']}"
     f", from masks {results['bytes_per_inference_from_masks']}, dense "
     f"{results['bytes_per_inference_dense']} "
@@ -204,9 +190,7 @@ def run(settings: Settings, out: str) -> dict:
   )
   results["plot"] = _plot(results["latency_model"], batch, out)
   results["wall_seconds"] = round(time.perf_counter() - started, 1)
-  with open(os.path.join(out, "results.json"), "w") as file:
-    json.dump(results, file, indent=1)
-  log(f"wrote {os.path.join(out, 'results.json')}")
+  common.log(f"wrote {common.write_results(out, results)}")
   return results
 
 
@@ -224,29 +208,6 @@ _DEFINITIONS = {
   "latency_model": "disco.metrics.LatencyModel over link bandwidths; "
   "crossover: the bandwidth above which the split model beats one device",
 }
-
-
-def _environment() -> dict:
-  return {
-    "jax": jax.__version__,
-    "backend": jax.default_backend(),
-    "devices": jax.device_count(),
-    "cpu_count": os.cpu_count(),
-    "xla_flags": os.environ.get("XLA_FLAGS", ""),
-    "python": platform.python_version(),
-  }
-
-
-def _dataset(settings: Settings, image_size: int) -> data.Dataset:
-  if settings.dataset == "digits":
-    return data.digits(
-      image_size=image_size, test_fraction=settings.test_fraction
-    )
-  if settings.dataset == "cifar10":
-    if not settings.data_dir:
-      raise DataError("--dataset=cifar10 needs --data_dir")
-    return data.cifar10(settings.data_dir)
-  return data.synthetic(image_size=image_size)
 
 
 class _OneDevice:
@@ -325,7 +286,7 @@ def _measure(single, dense, disco, shape, batch: int, repeats: int) -> dict:
       figures[name][key] = 1e3 * float(np.median(times[name]))
       if size == batch:
         figures[name]["cores_busy"] = _cores_busy(runners[name], placed[name])
-    log(
+    common.log(
       f"latency {key} (batch {size}): "
       + ", ".join(f"{n} {figures[n][key]:.3f} ms" for n in runners)
     )
@@ -381,7 +342,7 @@ def _predict(model, settings: Settings, one_device_ms: float, batch: int):
         )
   for name, bits in crossover["per_batch"].items():
     where = "never" if bits is None else f"above {bits / 1e6:.1f} Mb/s"
-    log(f"latency model, batch {batch}: {name} beats one device {where}")
+    common.log(f"latency model, batch {batch}: {name} beats one device {where}")
   return {
     "flops_per_second": flops_per_second,
     "message_latency_s": settings.message_latency,
@@ -429,7 +390,7 @@ def _plot(latency_model: dict, batch: int, out: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
-    log("plot skipped: matplotlib is missing (pip install '.[plots]')")
+    common.log("plot skipped: matplotlib is missing (pip install '.[plots]')")
     return None
   bandwidths = latency_model["bandwidths_bits_per_s"]
   figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -450,7 +411,7 @@ def _plot(latency_model: dict, batch: int, out: str):
   path = os.path.join(out, "latency.png")
   figure.savefig(path, dpi=120)
   plt.close(figure)
-  log(f"wrote {path}")
+  common.log(f"wrote {path}")
   return path
 
 
@@ -466,7 +427,7 @@ _HEADLINE = (
 
 
 def main(argv):
-  del argv
+  common.start(argv)
   values = {
     f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(Settings)
   }
@@ -475,9 +436,9 @@ def main(argv):
   except DiscoError as error:
     sys.exit(f"disco_infer: error: {error}")
   for key in _HEADLINE:
-    log(f"{key}: {results[key]}")
+    print(f"{key}: {results[key]}")
 
 
 if __name__ == "__main__":
-  _define_flags()
+  define_flags()
   app.run(main)

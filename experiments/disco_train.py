@@ -1,54 +1,68 @@
-"""Train dense, prune to a communication ratio, fine-tune; compare baselines.
+"""DISCO on a task: dense, DISCO, random selection and no communication.
 
-  python -m experiments.disco_train --model=resnet --dataset=digits \
-    --num_nodes=2 --comm_ratio=0.2 --selection=magnitude --out=/tmp/disco
+  python -m experiments.disco_train --task=classify|superres|segment|detect \
+    --dataset=digits|mnist|cifar10|synthetic|photos|shapes \
+    [--sweep=0.05,0.1,0.2,0.3,0.5] --out=DIR
 
-For every seed: train the dense model (all masks one); from it, train three
-models for the same number of epochs, pruning gradually and then with the
-masks fixed: DISCO (--selection at --comm_ratio), random selection at the
-same ratio, and no communication (ratio 0). All are evaluated on the
-held-out split. Writes `results.json` (accuracies: mean over seeds beside
-the per-seed values; costs of one inference of one image for the first
-seed's DISCO model, against dense channel parallelism and a single device)
-and one checkpoint per seed (`disco_seed<N>/`, read by
-`disco.checkpoint.load`).
+Data come from `disco.data.load`; a validation set (held-out photographs
+for super-resolution, else a share of the training split) chooses the
+learning rate of dense training (`--learning_rates`) and, with `--sweep`,
+the smallest ratio within `--tolerance` of dense; the test split only
+reports. For every seed: train the dense model (all masks one); from it,
+train three models for the same number of epochs, pruning gradually and
+then with the masks fixed: DISCO (magnitude selection at --comm_ratio),
+random selection at the same ratio, and no communication (ratio 0). With
+`--sweep`, the first seed's dense model is also pruned to every ratio with
+both selections: quality against bytes per inference, `sweep_<task>.png`.
+
+`results.json`: `metric` (accuracy, psnr, miou or map50), `quality_<v>`
+(test, mean over seeds) and `quality_<v>_per_seed` for v in dense, disco,
+random, no_comm, the same on validation, `comm_bytes_dense` /
+`comm_bytes_disco` (one inference of one image, from the masks), costs of
+the first seed's DISCO model, `sweep` rows and the `chosen` ratio;
+super-resolution adds SSIM and the bicubic baseline. One checkpoint per
+seed (`disco_seed<N>/`, read by `disco.checkpoint.load`).
 """
 
 import dataclasses
-import json
 import os
-import platform
 import sys
 import time
 
-import jax
 import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from disco import checkpoint, data, metrics, prune, train
-from disco.errors import DataError, DiscoError
-from disco.models import ResNet, ResNetConfig, ViT, ViTConfig
+from disco import checkpoint, data, metrics, prune, tasks, train
+from disco.errors import DiscoError
+from experiments import common
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  """Everything one run depends on; the defaults are the reported run.
+  """Everything one run depends on; the defaults are the digits run.
 
   Example:
     >>> Settings(seeds=1).width
     8
 
   Args:
-    model: "resnet" or "vit".
-    dataset: "digits", "cifar10" or "synthetic".
+    task: "classify", "superres", "segment" or "detect".
+    model: the classifier, "resnet" or "vit" (other tasks have one).
+    dataset: a dataset of the task (`disco.data.TASKS`).
     data_dir: the CIFAR-10 python batch folder.
-    image_size: side of the digits / synthetic images.
-    test_fraction: share of the digits held out (stratified).
-    width: ResNet stage widths width, 2 width, 4 width; ViT embedding 4 width.
+    image_size: side of the classification images.
+    test_fraction: share of digits / mnist held out for testing.
+    validation_fraction: share of the training split held out to choose.
+    scale: super-resolution factor.
+    patches: super-resolution training patches.
+    scenes: shape scenes (a quarter for testing).
+    width: the model's base width.
     num_nodes: nodes every layer is split over.
     comm_ratio: kept cross-node channel groups of the DISCO model.
-    selection: channel selection of the DISCO model.
+    sweep: comma-separated ratios for the quality-vs-bytes sweep.
+    tolerance: largest validation drop from dense the sweep's choice may
+      have (metric units).
     budget: "layer" or "global" pruning budget.
     seeds: number of seeds.
     first_seed: seeds first_seed .. first_seed + seeds - 1.
@@ -56,25 +70,29 @@ class Settings:
     prune_epochs: epochs of gradual pruning (from the dense model).
     finetune_epochs: epochs with the masks fixed, after pruning.
     prune_every: training steps between pruning updates.
-    batch_size: images per step.
-    learning_rate: peak learning rate of dense training.
+    batch_size: examples per step.
+    learning_rates: comma-separated peak learning rates of dense training;
+      the best on validation is used.
     finetune_learning_rate: peak learning rate of pruning + fine-tuning.
     weight_decay: AdamW weight decay.
     group_lasso: weight of the group-lasso term while pruning.
-    flops_per_second: latency model: compute rate of a node.
-    link_bytes_per_second: latency model: link bandwidth.
-    message_latency: latency model: seconds per message.
   """
 
+  task: str = "classify"
   model: str = "resnet"
   dataset: str = "digits"
   data_dir: str = ""
   image_size: int = 16
   test_fraction: float = 0.4
+  validation_fraction: float = 0.15
+  scale: int = 2
+  patches: int = 2000
+  scenes: int = 2000
   width: int = 8
   num_nodes: int = 2
   comm_ratio: float = 0.2
-  selection: str = "magnitude"
+  sweep: str = ""
+  tolerance: float = 0.01
   budget: str = "layer"
   seeds: int = 3
   first_seed: int = 0
@@ -83,25 +101,25 @@ class Settings:
   finetune_epochs: int = 15
   prune_every: int = 5
   batch_size: int = 64
-  learning_rate: float = 3e-3
+  learning_rates: str = "0.003"
   finetune_learning_rate: float = 1e-3
   weight_decay: float = 1e-4
   group_lasso: float = 1e-3
-  flops_per_second: float = 1e11
-  link_bytes_per_second: float = 12.5e6
-  message_latency: float = 1e-4
+
+  def ratios(self) -> list[float]:
+    """The sweep's ratios, checked."""
+    values = [float(v) for v in self.sweep.split(",") if v.strip()]
+    for value in values:
+      prune.check_ratio(value)
+    return values
 
 
-def _define_flags() -> None:
-  """One flag per setting, its help text from the `Settings` docstring.
-
-  Called only when run as a program, so importing this module (tests call
-  `run`) defines no global flags that could clash with other experiments.
-  """
+def define_flags() -> None:
+  """One flag per setting (help from the `Settings` docstring), --out."""
   choices = {
+    "task": sorted(data.TASKS),
     "model": ["resnet", "vit"],
-    "dataset": ["digits", "cifar10", "synthetic"],
-    "selection": list(prune.SELECTIONS),
+    "dataset": sorted({n for names in data.TASKS.values() for n in names}),
     "budget": list(prune.BUDGETS),
   }
   helps = dict(
@@ -121,38 +139,10 @@ def _define_flags() -> None:
     else:
       flags.DEFINE_float(name, default, helps[name])
   flags.DEFINE_string("out", None, "Output folder.", required=True)
+  common.define_flags()
 
 
-_HEADLINE = (
-  "accuracy_dense_per_seed",
-  "accuracy_disco_per_seed",
-  "accuracy_random_per_seed",
-  "accuracy_no_comm_per_seed",
-  "accuracy_dense",
-  "accuracy_disco",
-  "accuracy_random",
-  "accuracy_no_comm",
-  "ratios",
-  "wall_seconds",
-)
-
-
-def main(argv):
-  del argv
-  settings = Settings(
-    **{f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(Settings)}
-  )
-  try:
-    results = run(settings, flags.FLAGS.out)
-  except DiscoError as error:
-    sys.exit(f"disco_train: error: {error}")
-  for key in _HEADLINE:
-    log(f"{key}: {results[key]}")
-
-
-def log(text: str) -> None:
-  """Prints one progress line at once."""
-  print(text, flush=True)
+VARIANTS = ("dense", "disco", "random", "no_comm")
 
 
 def run(settings: Settings, out: str) -> dict:
@@ -169,188 +159,304 @@ def run(settings: Settings, out: str) -> dict:
   """
   started = time.perf_counter()
   prune.check_ratio(settings.comm_ratio)
-  dataset = _dataset(settings)
-  log(
-    f"{dataset.name}: {len(dataset.x_train)} train / {len(dataset.x_test)} "
-    f"held-out images of shape {dataset.image_shape}"
+  ratios = settings.ratios()
+  dataset = data.load(
+    settings.task,
+    settings.dataset,
+    image_size=settings.image_size,
+    test_fraction=settings.test_fraction,
+    data_dir=settings.data_dir,
+    scale=settings.scale,
+    patches=settings.patches,
+    scenes=settings.scenes,
   )
-  os.makedirs(out, exist_ok=True)
-  variants = {
-    "disco": (settings.comm_ratio, settings.selection),
-    "random": (settings.comm_ratio, "random"),
-    "no_comm": (0.0, "magnitude"),
-  }
-  accuracies = {name: [] for name in ("dense", *variants)}
-  checkpoints = []
-  first_disco = None
-  for seed in range(settings.first_seed, settings.first_seed + settings.seeds):
-    dense = _build(settings, dataset, seed)
-    log(f"seed {seed}: dense training")
-    _fit(settings, dense, dataset, seed, None)
-    accuracies["dense"].append(_accuracy(dense, dataset, f"seed {seed} dense"))
+  validation = data.holdout(dataset, settings.validation_fraction)
+  common.log(
+    f"{dataset.name}: {len(validation.x_train)} train / "
+    f"{len(validation.x_test)} validation / {len(dataset.x_test)} test "
+    f"examples of shape {dataset.image_shape}"
+  )
+  seeds = range(settings.first_seed, settings.first_seed + settings.seeds)
+  rates = [float(v) for v in settings.learning_rates.split(",")]
+  runs = len(rates) + 4 * len(seeds) - 1 + 2 * len(ratios)
+  progress = common.Progress(runs, "training run")
+  experiment = _Experiment(settings, dataset, validation, progress)
+  learning_rate, first_dense = experiment.choose_learning_rate(rates)
+  scores = {name: [] for name in VARIANTS}
+  checkpoints, first_disco = [], None
+  for seed in seeds:
+    dense = first_dense if seed == seeds[0] else None
+    if dense is None:
+      dense = experiment.dense(seed, learning_rate)
+    scores["dense"].append(experiment.evaluate(dense))
+    variants = {
+      "disco": (settings.comm_ratio, "magnitude"),
+      "random": (settings.comm_ratio, "random"),
+      "no_comm": (0.0, "magnitude"),
+    }
     for name, (ratio, selection) in variants.items():
-      log(f"seed {seed}: {name} (ratio {ratio}, {selection} selection)")
-      model = nnx.clone(dense)
-      schedule = _schedule(settings, dataset, ratio, selection, seed)
-      _fit(settings, model, dataset, seed, schedule)
-      accuracies[name].append(_accuracy(model, dataset, f"seed {seed} {name}"))
+      model = experiment.pruned(dense, ratio, selection, seed, name)
+      scores[name].append(experiment.evaluate(model))
       if name == "disco":
         folder = os.path.join(out, f"disco_seed{seed}")
         checkpoint.save(model, folder)
         checkpoints.append(folder)
         if first_disco is None:
           first_disco = model
-  results = _results(settings, accuracies, first_disco, checkpoints)
+    if seed == seeds[0]:
+      sweep = experiment.sweep(dense, ratios, seed)
+  results = _results(settings, scores, first_disco, sweep)
+  results.update(learning_rate=learning_rate, checkpoints=checkpoints)
+  if settings.task == "superres":
+    results.update(
+      tasks.bicubic_baseline(dataset.x_test, dataset.y_test, settings.scale)
+    )
+    results["quality_bicubic"] = results.pop("psnr")
+    results["ssim_bicubic"] = results.pop("ssim")
+  if sweep:
+    results["plot"] = _plot(settings, results, out)
   results["wall_seconds"] = round(time.perf_counter() - started, 1)
-  with open(os.path.join(out, "results.json"), "w") as file:
-    json.dump(results, file, indent=1)
-  log(f"wrote {os.path.join(out, 'results.json')}")
+  results["config"] = dataclasses.asdict(settings)
+  path = common.write_results(out, results)
+  common.log(f"wrote {path}")
   return results
 
 
-def _dataset(settings: Settings) -> data.Dataset:
-  if settings.dataset == "digits":
-    return data.digits(
-      image_size=settings.image_size, test_fraction=settings.test_fraction
+class _Experiment:
+  """Training runs and evaluation for one dataset and settings."""
+
+  def __init__(self, settings, dataset, validation, progress):
+    self.settings = settings
+    self.dataset = dataset
+    self.validation = validation
+    self.progress = progress
+
+  def choose_learning_rate(self, rates):
+    """The dense learning rate best on validation, and its model."""
+    best = None
+    for rate in rates:
+      model = self.dense(self.settings.first_seed, rate)
+      score = self.evaluate(model)["validation"]
+      common.log(f"learning rate {rate}: validation quality {score:.4f}")
+      if best is None or score > best[0]:
+        best = (score, rate, model)
+    return best[1], best[2]
+
+  def dense(self, seed, learning_rate):
+    """A dense model trained from scratch."""
+    s = self.settings
+    model = tasks.build(
+      s.task,
+      self.dataset,
+      num_nodes=s.num_nodes,
+      width=s.width,
+      seed=seed,
+      model=s.model,
+      scale=s.scale,
     )
-  if settings.dataset == "cifar10":
-    if not settings.data_dir:
-      raise DataError("--dataset=cifar10 needs --data_dir")
-    return data.cifar10(settings.data_dir)
-  return data.synthetic(image_size=settings.image_size)
+    self._fit(model, seed, None, s.dense_epochs, learning_rate)
+    self.progress.step(f"seed {seed} dense")
+    return model
 
-
-def _build(settings: Settings, dataset: data.Dataset, seed: int):
-  size, _, channels = dataset.image_shape
-  common = dict(
-    num_nodes=settings.num_nodes,
-    image_size=size,
-    in_channels=channels,
-    num_classes=dataset.num_classes,
-  )
-  width = settings.width
-  if settings.model == "resnet":
-    config = ResNetConfig(
-      widths=(width, 2 * width, 4 * width), stem_width=width, **common
+  def pruned(self, dense, ratio, selection, seed, name):
+    """`dense` pruned gradually to `ratio`, then fine-tuned."""
+    s = self.settings
+    model = nnx.clone(dense)
+    config = train.TrainConfig(epochs=1, batch_size=s.batch_size)
+    steps = s.prune_epochs * config.steps_per_epoch(
+      len(self.validation.x_train)
     )
-    return ResNet(config, rngs=nnx.Rngs(seed))
-  config = ViTConfig(dim=4 * width, mlp_dim=8 * width, **common)
-  return ViT(config, rngs=nnx.Rngs(seed))
+    schedule = prune.GradualSchedule(
+      target_ratio=ratio,
+      steps=max(steps, 1),
+      every=s.prune_every,
+      budget=s.budget,
+      selection=selection,
+      seed=seed,
+    )
+    epochs = s.prune_epochs + s.finetune_epochs
+    self._fit(model, seed, schedule, epochs, s.finetune_learning_rate)
+    self.progress.step(f"seed {seed} {name} (ratio {ratio}, {selection})")
+    return model
+
+  def _fit(self, model, seed, schedule, epochs, learning_rate):
+    s = self.settings
+    config = train.TrainConfig(
+      epochs=epochs,
+      batch_size=s.batch_size,
+      learning_rate=learning_rate,
+      weight_decay=s.weight_decay,
+      group_lasso=s.group_lasso,
+    )
+    train.fit(
+      model,
+      self.validation.x_train,
+      self.validation.y_train,
+      config,
+      seed=seed,
+      schedule=schedule,
+      loss=tasks.loss(model),
+    )
+
+  def evaluate(self, model) -> dict:
+    """Test and validation quality (and SSIM for super-resolution)."""
+    test = tasks.quality(model, self.dataset.x_test, self.dataset.y_test)
+    scores = {
+      "test": test,
+      "validation": tasks.quality(
+        model, self.validation.x_test, self.validation.y_test
+      ),
+      "bytes": metrics.count(model).bytes_sent,
+    }
+    if self.settings.task == "superres":
+      outputs = tasks.predict(model, self.dataset.x_test)
+      scores["ssim"] = tasks.ssim(outputs, self.dataset.y_test)
+    common.log(
+      f"quality {test:.4f} (validation {scores['validation']:.4f}), "
+      f"comm ratio {prune.comm_ratio(model):.3f}"
+    )
+    return scores
+
+  def sweep(self, dense, ratios, seed) -> list:
+    """One row per ratio and selection, from `dense`."""
+    rows = []
+    for ratio in ratios:
+      for selection in ("magnitude", "random"):
+        model = self.pruned(dense, ratio, selection, seed, "sweep")
+        scores = self.evaluate(model)
+        rows.append(
+          {
+            "ratio": ratio,
+            "selection": selection,
+            "comm_bytes": scores["bytes"],
+            "quality": scores["test"],
+            "quality_validation": scores["validation"],
+          }
+        )
+    return rows
 
 
-def _schedule(settings, dataset, ratio, selection, seed):
-  config = train.TrainConfig(epochs=1, batch_size=settings.batch_size)
-  steps = settings.prune_epochs * config.steps_per_epoch(len(dataset.x_train))
-  return prune.GradualSchedule(
-    target_ratio=ratio,
-    steps=max(steps, 1),
-    every=settings.prune_every,
-    budget=settings.budget,
-    selection=selection,
-    seed=seed,
-  )
-
-
-def _fit(settings, model, dataset, seed, schedule):
-  if schedule is None:
-    epochs, learning_rate = settings.dense_epochs, settings.learning_rate
-  else:
-    epochs = settings.prune_epochs + settings.finetune_epochs
-    learning_rate = settings.finetune_learning_rate
-  config = train.TrainConfig(
-    epochs=epochs,
-    batch_size=settings.batch_size,
-    learning_rate=learning_rate,
-    weight_decay=settings.weight_decay,
-    group_lasso=settings.group_lasso,
-  )
-  train.fit(
-    model,
-    dataset.x_train,
-    dataset.y_train,
-    config,
-    seed=seed,
-    schedule=schedule,
-    progress=lambda line: log(f"  {line}"),
-  )
-
-
-def _accuracy(model, dataset, label) -> float:
-  value = train.accuracy(model, dataset.x_test, dataset.y_test)
-  log(
-    f"{label}: held-out accuracy {value:.4f} (comm ratio "
-    f"{prune.comm_ratio(model):.3f})"
-  )
-  return value
-
-
-def _results(settings, accuracies, model, checkpoints) -> dict:
+def _results(settings, scores, model, sweep) -> dict:
   disco_report = metrics.count(model)
   dense_report = metrics.count(metrics.with_masks(model, True))
-  costs = {"disco": disco_report.summary(), "dense": dense_report.summary()}
-  link = metrics.LatencyModel(
-    settings.flops_per_second,
-    settings.link_bytes_per_second,
-    settings.message_latency,
-  )
   single = metrics.single_device_summary(dense_report)
+  disco_costs = disco_report.summary()
   results = {
-    "config": dataclasses.asdict(settings),
-    "environment": {
-      "jax": jax.__version__,
-      "backend": jax.default_backend(),
-      "cpu_count": os.cpu_count(),
-      "python": platform.python_version(),
-    },
+    "metric": tasks.METRICS[settings.task],
+    "task": settings.task,
+    "dataset": settings.dataset,
     "definitions": {
-      "accuracy_*": "held-out accuracy, mean over seeds",
-      "comm_bytes_*": "bytes between nodes for one image (fp32 values)",
-      "flops_*": "FLOPs for one image, all nodes together",
-      "params_per_node_dense": "the dense model: all of it on one node",
-      "params_per_node_channel_parallel": "dense model split over nodes",
-      "params_per_node_disco": "parameters of the busiest DISCO node",
+      "quality_*": "test metric, mean over seeds (validation: *_validation)",
+      "comm_bytes_*": "bytes between nodes for one inference of one example",
+      "flops_*": "FLOPs for one example, all nodes together",
+      "sweep": "from the first seed's dense model; quality is on test",
+      "chosen": "smallest bytes within tolerance of dense on validation",
     },
   }
-  for name, values in accuracies.items():
-    results[f"accuracy_{name}"] = float(np.mean(values))
-    results[f"accuracy_{name}_per_seed"] = values
+  for name, values in scores.items():
+    results[f"quality_{name}"] = float(np.mean([v["test"] for v in values]))
+    results[f"quality_{name}_per_seed"] = [v["test"] for v in values]
+    validation = [v["validation"] for v in values]
+    results[f"quality_{name}_validation"] = float(np.mean(validation))
+    results[f"quality_{name}_validation_per_seed"] = validation
+    if "ssim" in values[0]:
+      results[f"ssim_{name}"] = float(np.mean([v["ssim"] for v in values]))
   results.update(
-    comm_bytes_dense=costs["dense"]["bytes_sent"],
-    comm_bytes_disco=costs["disco"]["bytes_sent"],
+    comm_bytes_dense=dense_report.bytes_sent,
+    comm_bytes_disco=disco_report.bytes_sent,
+    comm_bytes_no_comm=metrics.count(
+      metrics.with_masks(model, False)
+    ).bytes_sent,
     flops_dense=single["flops"],
-    flops_disco=costs["disco"]["flops"],
-    flops_per_node_disco=costs["disco"]["flops_per_node"],
+    flops_disco=disco_costs["flops"],
     params_per_node_dense=single["params_per_node"],
-    params_per_node_channel_parallel=costs["dense"]["params_per_node"],
-    params_per_node_disco=costs["disco"]["params_per_node"],
-    memory_per_node_dense=single["memory_per_node"],
-    memory_per_node_disco=costs["disco"]["memory_per_node"],
+    params_per_node_channel_parallel=dense_report.summary()["params_per_node"],
+    params_per_node_disco=disco_costs["params_per_node"],
     comm_ratio_measured=prune.comm_ratio(model),
-    latency_s_single_device=link.single_device_latency(dense_report),
-    latency_s_dense=link.latency(dense_report),
-    latency_s_disco=link.latency(disco_report),
-    checkpoints=checkpoints,
-    layers_disco=[_layer(layer) for layer in disco_report.layers],
+    sweep=sweep,
   )
-  results["ratios"] = {
-    "comm_bytes": results["comm_bytes_disco"] / results["comm_bytes_dense"],
-    "flops": results["flops_disco"] / results["flops_dense"],
-    "params_per_node": results["params_per_node_disco"]
-    / results["params_per_node_dense"],
-  }
+  results["chosen"] = _choose(settings, results, sweep)
   return results
 
 
-def _layer(layer: metrics.LayerCost) -> dict:
-  return {
-    "name": layer.name,
-    "kind": layer.kind,
-    "flops": sum(layer.flops),
-    "bytes_sent": layer.bytes_sent,
-    "params_per_node": max(layer.params),
-  }
+def _choose(settings, results, sweep):
+  """The sweep row of fewest bytes within tolerance of dense on validation."""
+  floor = results["quality_dense_validation_per_seed"][0] - settings.tolerance
+  good = [r for r in sweep if r["quality_validation"] >= floor]
+  if not good:
+    return None
+  row = min(good, key=lambda r: (r["comm_bytes"], -r["quality_validation"]))
+  dense_test = results["quality_dense_per_seed"][0]
+  dense_bytes = results["comm_bytes_dense"]
+  return dict(
+    row,
+    bytes_reduction=dense_bytes / max(row["comm_bytes"], 1),
+    drop_from_dense_test=dense_test - row["quality"],
+  )
+
+
+def _plot(settings, results, out) -> str | None:
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    common.log("no matplotlib (the plots extra): no sweep plot")
+    return None
+  figure, axes = plt.subplots(figsize=(5, 3.5))
+  for selection, marker in (("magnitude", "o-"), ("random", "s--")):
+    rows = [r for r in results["sweep"] if r["selection"] == selection]
+    rows.sort(key=lambda r: r["comm_bytes"])
+    label = "DISCO (magnitude)" if selection == "magnitude" else "random"
+    axes.plot(
+      [max(r["comm_bytes"], 1) for r in rows],
+      [r["quality"] for r in rows],
+      marker,
+      label=label,
+    )
+  axes.axhline(results["quality_dense_per_seed"][0], color="k", lw=0.8)
+  axes.axhline(results["quality_no_comm_per_seed"][0], color="r", lw=0.8)
+  axes.set_xscale("log")
+  axes.set_xlabel("bytes between nodes per inference")
+  axes.set_ylabel(f"test {results['metric']}")
+  axes.set_title(
+    f"{settings.task} / {settings.dataset}: dense (black), no comm (red)"
+  )
+  axes.legend()
+  figure.tight_layout()
+  path = os.path.join(out, f"sweep_{settings.task}.png")
+  figure.savefig(path, dpi=120)
+  plt.close(figure)
+  return path
+
+
+_HEADLINE = (
+  "metric",
+  "quality_dense",
+  "quality_disco",
+  "quality_random",
+  "quality_no_comm",
+  "comm_bytes_dense",
+  "comm_bytes_disco",
+  "chosen",
+  "wall_seconds",
+)
+
+
+def main(argv):
+  common.start(argv)
+  settings = Settings(
+    **{f.name: flags.FLAGS[f.name].value for f in dataclasses.fields(Settings)}
+  )
+  try:
+    results = run(settings, flags.FLAGS.out)
+  except DiscoError as error:
+    sys.exit(f"disco_train: error: {error}")
+  for key in _HEADLINE:
+    print(f"{key}: {results[key]}")
 
 
 if __name__ == "__main__":
-  _define_flags()
+  define_flags()
   app.run(main)

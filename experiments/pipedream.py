@@ -383,7 +383,11 @@ def define_flags() -> None:
     "models", ["mmt", "candle_uno", "transformer"], "Zoo models."
   )
   flags.DEFINE_list("devices", ["4", "8", "16"], "Device counts.")
-  flags.DEFINE_string("device", "v100", "Device preset.")
+  from graphpipe.costs.analytic import PRESETS
+
+  flags.DEFINE_enum("device", "v100", PRESETS, "Device preset.")
+  common.check_choices("models", models.NAMES)
+  common.check_int_list("devices")
   flags.DEFINE_string("out", None, "Output folder.", required=True)
 
 

@@ -185,24 +185,22 @@ def memory_figures(plan, graph) -> dict:
 def define_flags() -> None:
   """This experiment's flags (defined when run, so tests import freely)."""
   common.define_flags()
-  flags.DEFINE_string(
-    "model",
-    "two_branch",
-    "Zoo model: " + ", ".join(models.NAMES) + ".",
+  from graphpipe import PLANNERS
+  from graphpipe.costs.analytic import PRESETS
+
+  flags.DEFINE_enum("model", "two_branch", models.NAMES, "Zoo model.")
+  flags.DEFINE_enum("config", "tiny", models.SIZES, "Model size.")
+  flags.DEFINE_integer(
+    "num_devices", 8, "Devices the plan may use.", lower_bound=1
   )
-  flags.DEFINE_string("config", "tiny", "Model size: paper or tiny.")
-  flags.DEFINE_integer("num_devices", 8, "Devices the plan may use.")
   flags.DEFINE_integer(
     "batch_size",
     None,
     "Samples per iteration; default: the zoo default x max(N, 4) / 4.",
+    lower_bound=1,
   )
-  flags.DEFINE_string(
-    "planner", "graphpipe", "graphpipe, sequential, gpipe or piper."
-  )
-  flags.DEFINE_string(
-    "device", "v100", "Device preset: v100, a100, h100, h200, cpu."
-  )
+  flags.DEFINE_enum("planner", "graphpipe", PLANNERS, "Planner.")
+  flags.DEFINE_enum("device", "v100", PRESETS, "Device preset.")
   flags.DEFINE_bool("plots", True, "Draw schedule.png (needs matplotlib).")
   flags.DEFINE_bool(
     "profiled",

@@ -431,13 +431,23 @@ def define_flags() -> None:
   flags.DEFINE_enum("config", "paper", models.SIZES, "Zoo model size.")
   flags.DEFINE_list("devices", ["4", "8", "16", "32"], "Device counts.")
   flags.DEFINE_integer(
-    "sweep_devices", 32, "Devices of the branch sweep, ablation, search time."
+    "sweep_devices",
+    32,
+    "Devices of the branch sweep, ablation, search time.",
+    lower_bound=1,
   )
   flags.DEFINE_list("branches", ["2", "4", "8", "16"], "CANDLE-Uno branches.")
-  flags.DEFINE_string("device", "v100", "Device preset.")
+  from graphpipe.costs.analytic import PRESETS
+
+  flags.DEFINE_enum("device", "v100", PRESETS, "Device preset.")
   flags.DEFINE_integer(
-    "piper_budget", PIPER_BUDGET, "Stages Piper may price per search."
+    "piper_budget",
+    PIPER_BUDGET,
+    "Stages Piper may price per search.",
+    lower_bound=1,
   )
+  common.check_int_list("devices")
+  common.check_int_list("branches")
   flags.DEFINE_bool("plots", True, "Draw the PNGs (needs matplotlib).")
 
 

@@ -31,19 +31,22 @@ if (
 
 def define_flags():
   """This experiment's flags (defined when run, so tests import freely)."""
+  from graphpipe import PLANNERS, models
+  from graphpipe.costs.analytic import PRESETS
+
   common.define_flags()
-  flags.DEFINE_string("model", "two_branch", "Zoo model.")
-  flags.DEFINE_string("config", "tiny", "tiny or paper.")
-  flags.DEFINE_integer("num_devices", 8, "Devices in the mesh.")
+  flags.DEFINE_enum("model", "two_branch", models.NAMES, "Zoo model.")
+  flags.DEFINE_enum("config", "tiny", models.SIZES, "Model size.")
+  flags.DEFINE_integer("num_devices", 8, "Devices in the mesh.", lower_bound=1)
   flags.DEFINE_integer(
-    "num_processes", 1, "Local processes (N/P devices each)."
+    "num_processes", 1, "Local processes (N/P devices each).", lower_bound=1
   )
-  flags.DEFINE_string(
-    "planner", "graphpipe", "graphpipe, sequential, gpipe or piper."
+  flags.DEFINE_enum("planner", "graphpipe", PLANNERS, "Planner.")
+  flags.DEFINE_integer("steps", 5, "Optimizer steps.", lower_bound=1)
+  flags.DEFINE_integer("batch_size", 16, "Samples per step.", lower_bound=1)
+  flags.DEFINE_enum(
+    "device", "v100", PRESETS, "Cost-model preset for planning."
   )
-  flags.DEFINE_integer("steps", 5, "Optimizer steps.")
-  flags.DEFINE_integer("batch_size", 16, "Samples per step.")
-  flags.DEFINE_string("device", "v100", "Cost-model preset for planning.")
   flags.DEFINE_string(
     "memory",
     "auto",
@@ -51,11 +54,25 @@ def define_flags():
     "configs, so they really pipeline; the preset's capacity for paper), "
     "'preset', or bytes.",
   )
-  flags.DEFINE_string("optimizer", "adam", "adam or sgd.")
-  flags.DEFINE_float("learning_rate", 1e-3, "Learning rate.")
+  flags.register_validator(
+    "memory",
+    _memory_ok,
+    message="--memory takes auto, preset, tight or a number of bytes > 0",
+  )
+  flags.DEFINE_enum("optimizer", "adam", ("adam", "sgd"), "Optimizer.")
+  flags.DEFINE_float("learning_rate", 1e-3, "Learning rate.", lower_bound=0)
   flags.DEFINE_bool("recompute", False, "Recompute forwards in the backward.")
   flags.DEFINE_bool("verify", False, "Check loss and gradients vs one device.")
   flags.DEFINE_string("out", None, "Output folder.", required=True)
+
+
+def _memory_ok(value: str) -> bool:
+  if value in ("auto", "preset", "tight"):
+    return True
+  try:
+    return float(value) > 0
+  except ValueError:
+    return False
 
 
 def make_plan(graph, options):
@@ -167,26 +184,33 @@ def main(argv):
   common.start(argv)
   options = flags.FLAGS
   from graphpipe.errors import GraphpipeError
-  from graphpipe.runtime.launch import initialize_from_env, launch
+  from graphpipe.runtime.launch import initialize_from_env, launch, leave
 
   if options.num_processes > 1 and not initialize_from_env():
     if options.num_devices % options.num_processes:
       raise app.UsageError(
         "--num_devices must be a multiple of --num_processes"
       )
-    outputs = launch(
-      ["-m", "experiments.train", *sys.argv[1:]],
-      options.num_processes,
-      options.num_devices // options.num_processes,
-    )
+    try:
+      outputs = launch(
+        ["-m", "experiments.train", *sys.argv[1:]],
+        options.num_processes,
+        options.num_devices // options.num_processes,
+      )
+    except GraphpipeError as err:
+      print(f"error: {err}", file=sys.stderr)
+      sys.exit(1)
     print(outputs[0], end="")
     return
+  import jax
+
   try:
     results = train(options)
   except GraphpipeError as err:
+    if jax.process_count() > 1:
+      leave(f"error: {type(err).__name__}: {err}")  # no shutdown wait
     print(f"error: {err}", file=sys.stderr)
     sys.exit(1)
-  import jax
 
   if jax.process_index() == 0:
     common.write_results(options.out, results)

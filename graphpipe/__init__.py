@@ -16,6 +16,7 @@ graphpipe.models import capture_zoo` (tests/graphpipe/test_docstrings.py
 runs them all).
 """
 
+from graphpipe.core.drawing import draw_graph
 from graphpipe.core.graph import Edge, InputSpec, Node, OpGraph
 from graphpipe.core.stages import Plan, Stage
 from graphpipe.errors import (
@@ -32,16 +33,13 @@ from graphpipe.errors import (
   PipelineRuntimeError,
   PlanError,
   PlotsUnavailableError,
+  ProcessLostError,
   ScheduleError,
   SimulationError,
 )
 from graphpipe.frontend.tracer import capture
-from graphpipe.planning.search import (
-  PLANNERS,
-  plan,
-  plan_and_simulate,
-  tightest_plan,
-)
+from graphpipe.planning.search import PLANNERS, plan, tightest_plan
+from graphpipe.planning.simulated import plan_and_simulate
 from graphpipe.planning.validate import check_plan
 from graphpipe.runtime import Trainer, TrainState
 from graphpipe.runtime.memory import memory_report
@@ -71,6 +69,7 @@ __all__ = [
   "Plan",
   "PlanError",
   "PlotsUnavailableError",
+  "ProcessLostError",
   "Report",
   "Schedule",
   "ScheduleError",
@@ -81,6 +80,7 @@ __all__ = [
   "capture",
   "check_plan",
   "check_schedule",
+  "draw_graph",
   "memory_report",
   "plan",
   "plan_and_simulate",

@@ -83,7 +83,24 @@ class PipelineRuntimeError(GraphpipeError):
 
 
 class LaunchError(GraphpipeError):
-  """Local worker processes could not be started or one of them failed."""
+  """Local worker processes could not be started or one of them failed.
+
+  Attributes:
+    process_id: the process that failed first (None when none did, e.g. a
+      time-out).
+    returncode: its exit status (negative: killed by that signal).
+    outputs: every process's whole output, by process id.
+  """
+
+  def __init__(self, message, *, process_id=None, returncode=None, outputs=()):
+    super().__init__(message)
+    self.process_id = process_id
+    self.returncode = returncode
+    self.outputs = list(outputs)
+
+
+class ProcessLostError(LaunchError):
+  """Another process of a multi-process run died or cannot be reached."""
 
 
 # The model zoo (graphpipe.models).
@@ -107,6 +124,7 @@ __all__ = [
   "PipelineRuntimeError",
   "PlanError",
   "PlotsUnavailableError",
+  "ProcessLostError",
   "ScheduleError",
   "SimulationError",
 ]

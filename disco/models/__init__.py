@@ -5,12 +5,18 @@ so a checkpoint can record "resnet" + its config and be rebuilt.
 """
 
 from disco.errors import ConfigError
+from disco.models.deeplab import DeepLab, SegConfig
+from disco.models.esrgan import SRConfig, SRNet
 from disco.models.resnet import ResNet, ResNetConfig, resnet50_config
+from disco.models.ssd import SSD, SSDConfig
 from disco.models.vit import ViT, ViTConfig, deit_tiny_config
 
 ARCHITECTURES = {
   "resnet": (ResNetConfig, ResNet),
   "vit": (ViTConfig, ViT),
+  "srnet": (SRConfig, SRNet),
+  "deeplab": (SegConfig, DeepLab),
+  "ssd": (SSDConfig, SSD),
 }
 
 
@@ -39,6 +45,12 @@ def architecture_of(model) -> str:
 
 __all__ = [
   "ARCHITECTURES",
+  "SSD",
+  "DeepLab",
+  "SRConfig",
+  "SRNet",
+  "SSDConfig",
+  "SegConfig",
   "ResNet",
   "ResNetConfig",
   "ViT",

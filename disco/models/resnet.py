@@ -24,7 +24,7 @@ from flax import nnx
 
 from disco import lowering
 from disco.errors import ConfigError
-from disco.layers import DiscoConv, DiscoDense
+from disco.layers import DiscoConv, DiscoDense, DiscoLayer
 from disco.ops import ONE_DEVICE, Ops
 
 _CONV_INIT = nnx.initializers.variance_scaling(2.0, "fan_in", "normal")
@@ -91,8 +91,24 @@ def resnet50_config(num_nodes: int = 2) -> ResNetConfig:
   )
 
 
-class _ConvBN(nnx.Module):
-  """A bias-free DiscoConv followed by batch norm."""
+class ConvBN(nnx.Module):
+  """A bias-free DiscoConv followed by batch norm.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> layer = ConvBN(4, 8, 3, num_nodes=2, rngs=nnx.Rngs(0))
+    >>> layer.forward(jnp.ones((1, 4, 4, 4)), ONE_DEVICE).shape
+    (1, 4, 4, 8)
+
+  Args:
+    in_features: input channels.
+    out_features: output channels.
+    kernel_size: side of the kernel.
+    rngs: random number streams.
+    **kw: the other arguments of `DiscoConv` (strides, dilation, splits,
+      a shared mask, ...).
+  """
 
   def __init__(self, in_features, out_features, kernel_size, *, rngs, **kw):
     self.conv = DiscoConv(
@@ -126,13 +142,27 @@ class BasicBlock(nnx.Module):
     stride: stride of the first conv and of the shortcut.
     num_nodes: number of nodes.
     rngs: random number streams.
+    dilation: dilation of both 3x3 convs (atrous, for dense prediction).
+    mask: the `CommMask` of another layer reading the block's input, for
+      the first conv and the shortcut to share (default: a new one).
   """
 
-  def __init__(self, in_features, width, stride, *, num_nodes, rngs):
-    self.conv1 = _ConvBN(
-      in_features, width, 3, strides=stride, num_nodes=num_nodes, rngs=rngs
+  def __init__(
+    self, in_features, width, stride, *, num_nodes, rngs, dilation=1, mask=None
+  ):
+    self.conv1 = ConvBN(
+      in_features,
+      width,
+      3,
+      strides=stride,
+      dilation=dilation,
+      num_nodes=num_nodes,
+      mask=mask,
+      rngs=rngs,
     )
-    self.conv2 = _ConvBN(width, width, 3, num_nodes=num_nodes, rngs=rngs)
+    self.conv2 = ConvBN(
+      width, width, 3, dilation=dilation, num_nodes=num_nodes, rngs=rngs
+    )
     self.shortcut = _shortcut(
       in_features, width, stride, self.conv1, num_nodes, rngs
     )
@@ -165,11 +195,11 @@ class Bottleneck(nnx.Module):
   """
 
   def __init__(self, in_features, width, stride, *, num_nodes, rngs):
-    self.conv1 = _ConvBN(in_features, width, 1, num_nodes=num_nodes, rngs=rngs)
-    self.conv2 = _ConvBN(
+    self.conv1 = ConvBN(in_features, width, 1, num_nodes=num_nodes, rngs=rngs)
+    self.conv2 = ConvBN(
       width, width, 3, strides=stride, num_nodes=num_nodes, rngs=rngs
     )
-    self.conv3 = _ConvBN(width, 4 * width, 1, num_nodes=num_nodes, rngs=rngs)
+    self.conv3 = ConvBN(width, 4 * width, 1, num_nodes=num_nodes, rngs=rngs)
     self.shortcut = _shortcut(
       in_features, 4 * width, stride, self.conv1, num_nodes, rngs
     )
@@ -184,14 +214,14 @@ class Bottleneck(nnx.Module):
     return nnx.relu(y + _skip(self.shortcut, x, ops))
 
 
-def _skip(shortcut: _ConvBN | None, x: jax.Array, ops: Ops) -> jax.Array:
+def _skip(shortcut: ConvBN | None, x: jax.Array, ops: Ops) -> jax.Array:
   return x if shortcut is None else shortcut.forward(x, ops)
 
 
 def _shortcut(in_features, out_features, stride, first, num_nodes, rngs):
   if stride == 1 and in_features == out_features:
     return None
-  return _ConvBN(
+  return ConvBN(
     in_features,
     out_features,
     1,
@@ -236,7 +266,7 @@ class ResNet(nnx.Module):
       )
     self.config = config
     nodes = config.num_nodes
-    self.stem = _ConvBN(
+    self.stem = ConvBN(
       config.in_channels,
       config.stem_width,
       config.stem_kernel,
@@ -276,10 +306,34 @@ class ResNet(nnx.Module):
     return ops.output(self.head, jnp.mean(x, axis=(1, 2)))
 
 
+def pack_layers(model: nnx.Module, packer: lowering.Packer) -> None:
+  """Packs every DISCO layer of `model`, batch norm folded into a ConvBN's.
+
+  The lowering of any model whose DISCO layers are all in `ConvBN`s or
+  applied on their own (the ResNet, the super-resolution, segmentation and
+  detection nets).
+
+  Example:
+    >>> from flax import nnx
+    >>> lowered = lowering.lower(ResNet(ResNetConfig(), rngs=nnx.Rngs(0)))
+    >>> sorted(lowered.params[0])[:2]
+    ['blocks/0/conv1/conv', 'blocks/0/conv2/conv']
+
+  Args:
+    model: the model.
+    packer: the node's packer.
+  """
+  folded = set()
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, ConvBN):
+      packer.layer(module.conv, norm=module.norm)
+      folded.add(id(module.conv))
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, DiscoLayer) and id(module) not in folded:
+      packer.layer(module)
+
+
 @lowering.register(ResNet)
 def _node_weights(model: ResNet, packer: lowering.Packer) -> None:
   """Every conv with its batch norm folded in, and the head."""
-  for _, module in nnx.iter_modules(model):
-    if isinstance(module, _ConvBN):
-      packer.layer(module.conv, norm=module.norm)
-  packer.layer(model.head)
+  pack_layers(model, packer)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -294,7 +295,11 @@ class OpGraph:
 
   @classmethod
   def from_dict(cls, data: dict) -> OpGraph:
-    """Inverse of `to_dict`."""
+    """Inverse of `to_dict`; refuses missing, non-numeric, negative figures."""
+    if not isinstance(data, dict):
+      raise GraphFormatError(
+        f"not a graphpipe graph file: a {type(data).__name__}, not an object"
+      )
     try:
       if data.get("format_version") != FORMAT_VERSION:
         raise GraphFormatError(
@@ -313,6 +318,10 @@ class OpGraph:
         for n in data["nodes"]
       ]
       edges = [Edge(**e) for e in data["edges"]]
+      _check_figures(data["nodes"], _NODE_FIGURES, "node")
+      _check_figures(data["edges"], _EDGE_FIGURES, "edge")
+      if not nodes:
+        raise GraphFormatError("the graph file has no nodes")
       inputs = [
         InputSpec(i["name"], tuple(i["shape"]), i["dtype"])
         for i in data["inputs"]
@@ -343,6 +352,10 @@ class OpGraph:
         data = json.load(f)
     except json.JSONDecodeError as err:
       raise GraphFormatError(f"{path} is not JSON: {err}") from err
+    except OSError as err:
+      raise GraphFormatError(
+        f"cannot read a graph from {path}: {err}"
+      ) from None
     return cls.from_dict(data)
 
   def to_dot(self) -> str:
@@ -390,3 +403,34 @@ class OpGraph:
       The scalar loss, equal to `loss_fn(model, batch)`.
     """
     return self._require_program().evaluate(variables, batch)
+
+
+_NODE_FIGURES = (
+  "param_bytes",
+  "state_bytes",
+  "fwd_flops",
+  "bwd_flops",
+  "fwd_bytes",
+  "bwd_bytes",
+  "activation_bytes",
+  "saved_bytes",
+)
+_EDGE_FIGURES = ("bytes", "fixed_bytes", "num_values")
+
+
+def _check_figures(items, names, what) -> None:
+  """Every figure of a loaded node or edge: present, finite and >= 0
+  (the batch-independent parts in `fixed` may be negative)."""
+  for item in items:
+    figures = [(k, item[k], 0) for k in names]
+    figures += [
+      (f"fixed.{k}", v, -math.inf) for k, v in item.get("fixed", {}).items()
+    ]
+    for name, value, least in figures:
+      number = isinstance(value, int | float) and not isinstance(value, bool)
+      if not number or not math.isfinite(value) or value < least:
+        bound = ">= 0" if least == 0 else ""
+        raise GraphFormatError(
+          f"{what} {item.get('id', (item.get('src'), item.get('dst')))}: "
+          f"{name} = {value!r} is not a finite number {bound} (edited file?)"
+        )

@@ -207,6 +207,8 @@ class Plan:
         data = json.load(f)
     except json.JSONDecodeError as err:
       raise GraphFormatError(f"{path} is not JSON: {err}") from err
+    except OSError as err:
+      raise GraphFormatError(f"cannot read a plan from {path}: {err}") from None
     return cls.from_dict(data)
 
 

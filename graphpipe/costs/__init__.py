@@ -14,7 +14,7 @@ Modules:
 
   analytic   `DeviceSpec`, presets (`device_spec`, `measure_cpu`) and
              `AnalyticCostModel`, with its efficiency curve
-  profiled   `ProfiledCostModel`
+  profiled   `ProfiledCostModel`, `time_node` (one node's measured times)
 
 What the planners build on top of any cost model (stage time per sample,
 in-flight capacity, a plan's estimated iteration) is
@@ -28,7 +28,7 @@ from graphpipe.costs.analytic import (
   device_spec,
   measure_cpu,
 )
-from graphpipe.costs.profiled import ProfiledCostModel
+from graphpipe.costs.profiled import ProfiledCostModel, time_node
 
 __all__ = [
   "PRESETS",
@@ -37,4 +37,5 @@ __all__ = [
   "ProfiledCostModel",
   "device_spec",
   "measure_cpu",
+  "time_node",
 ]

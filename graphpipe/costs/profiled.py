@@ -61,6 +61,26 @@ def _fwd_bwd(node_fn, avals):
   return jax.jit(forward), jax.jit(backward), any(wrt)
 
 
+def time_node(node_fn, seed: int = 0, repeats: int = 3) -> tuple[float, float]:
+  """(forward, backward) seconds of one node program on the default device.
+
+  The fastest of `repeats` jitted calls on random inputs; the backward is
+  the timed forward + VJP minus the forward (0 for a node with nothing to
+  differentiate). What `ProfiledCostModel` records per node and size.
+
+  Args:
+    node_fn: a node program (`graph.program.at_batch_size(b).nodes[i]`).
+    seed: seed of the random inputs.
+    repeats: timed calls after the warm-up call.
+  """
+  avals = node_fn.input_avals()
+  args = _random_inputs(avals, seed)
+  forward, backward, differentiable = _fwd_bwd(node_fn, avals)
+  fwd = best_time(forward, *args, repeats=repeats)
+  both = best_time(backward, *args, repeats=repeats)
+  return fwd, max(both - fwd, 0.0) * differentiable
+
+
 def _interpolate(sizes: Sequence[float], times: Sequence[float], x: float):
   """Piecewise-linear in the batch, extrapolated from the nearest segment."""
   if len(sizes) == 1:
@@ -178,13 +198,9 @@ class ProfiledCostModel:
     for b in self.batch_sizes:
       program = graph.program.at_batch_size(b)
       for node_id, node_fn in enumerate(program.nodes):
-        avals = node_fn.input_avals()
-        args = _random_inputs(avals, node_id)
-        forward, backward, differentiable = _fwd_bwd(node_fn, avals)
-        fwd = best_time(forward, *args, repeats=repeats)
-        both = best_time(backward, *args, repeats=repeats)
+        fwd, bwd = time_node(node_fn, seed=node_id, repeats=repeats)
         times[node_id]["fwd"].append(fwd)
-        times[node_id]["bwd"].append(max(both - fwd, 0.0) * differentiable)
+        times[node_id]["bwd"].append(bwd)
     return times
 
   def node_time(self, node: Node, batch: float, kind: str) -> float:

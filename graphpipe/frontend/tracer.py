@@ -214,6 +214,10 @@ def capture(
       f"{sorted(sizes)}; every leaf's first axis must be the batch axis"
     )
   batch_size = sizes.pop()
+  if batch_size < 1:
+    raise CaptureError(
+      "the batch is empty (leading axis 0): capture needs at least one sample"
+    )
   abstract_batch = _abstract(batch)
   params_abs = _abstract(bound.params)
   state_abs = _abstract(bound.state)
@@ -286,11 +290,12 @@ def capture(
       f"{granularity!r}: "
       + (
         "a parameter is shared between the first and the last module "
-        "call, which merges everything between them"
-        if len(runs(labels)) > 1
-        else "only one module call was traced"
+        "call, which merges everything between them. Use a finer "
+        "granularity or untie the shared parameters"
+        if len({label for label in labels if label}) > 1
+        else "only one module call was traced: a model of one layer has "
+        "nothing to pipeline (build it from several submodules)"
       )
-      + ". Use a finer granularity or untie the shared parameters"
     )
   groups = grouping.groups
   names = name_nodes(

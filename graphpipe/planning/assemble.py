@@ -228,8 +228,14 @@ def stage_edges(graph: OpGraph, part: Partition) -> set[tuple[int, int]]:
   Operator edges across stages, plus consecutive pairs for a chain.
 
   Example:
-    >>> stage_edges(graph, partition)
-    {(0, 2), (1, 2)}
+    >>> graph = capture_zoo("two_branch", "paper")   # branches 0-3, 4-7; 8
+    >>> part = Partition((((0, 1, 2, 3), 1), ((4, 5, 6, 7), 1), ((8,), 1)),
+    ...                  micro_batch_size=2)
+    >>> sorted(stage_edges(graph, part))      # both branches feed the join
+    [(0, 2), (1, 2)]
+    >>> chain = dataclasses.replace(part, chain=True)   # a sequential plan
+    >>> sorted(stage_edges(graph, chain))     # also runs stage 1 after 0
+    [(0, 1), (0, 2), (1, 2)]
 
   Args:
     graph: the operator graph.

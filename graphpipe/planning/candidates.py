@@ -57,16 +57,21 @@ def frontier(targets: list[float], max_depth: int, feasible, solve) -> list:
 
   Example:
     A toy model of 4 s of work per sample: a bottleneck of t seconds needs
-    4 / t stages on a path (rounded up). Solutions are (t, depth) pairs:
+    4 / t stages on a path (rounded up), and any more stages also do.
+    Solutions are (t, depth) pairs:
 
     >>> def stages_needed(target):
     ...   return next(d for d in range(1, 5) if target * d >= 4)
     >>> def feasible(target, depth):
     ...   return stages_needed(target) <= depth
-    >>> def solve(target, depth):
-    ...   return stages_needed(target), (target, stages_needed(target))
-    >>> frontier([1, 1.5, 2, 4], 4, feasible, solve)
-    [(1, 4), (1.5, 3), (2, 2), (4, 1)]
+    >>> def solve(target, depth, shallowest):
+    ...   used = stages_needed(target) if shallowest else depth
+    ...   return used, [(target, used)]
+    >>> frontier([1, 1.5, 2, 4], 6, feasible, solve)
+    [(1, 4), (1, 6), (1.5, 3), (2, 2), (4, 1)]
+
+    The fastest target (1 s) at its fewest stages (4) and at the depth
+    bound (6), then the fastest target under each shallower bound.
 
   Args:
     targets: candidate bottleneck times, ascending.

@@ -32,8 +32,14 @@ class DPSolver:
     False
     >>> solver.feasible(4.0, max_depth=8)
     True
-    >>> solver.solve(4.0, max_depth=8)      # (depth, stages)
-    (2, [((0, 1, 2, 3), 1), ((4, 5, 6, 7), 1), ((8,), 1)])
+    >>> solver.solve(4.0, max_depth=8)      # (depth, [stages]): one plan
+    (2, [[((0, 1, 2, 3), 1), ((4, 5, 6, 7), 1), ((8,), 1)]])
+
+    Among plans needing as few devices, `fill="back"` keeps the one whose
+    stages are filled from the back (the join takes most of a branch):
+
+    >>> DPSolver(tree, options, 4, fill="back").solve(4.0, max_depth=8)
+    (2, [[((0, 1, 2, 3), 1), ((4,), 1), ((5, 6, 7, 8), 1)]])
 
   Args:
     tree: the flattened series-parallel tree and its candidate stages.

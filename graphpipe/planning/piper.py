@@ -51,8 +51,24 @@ class PiperPartitioner:
   """Piper's DP over down-sets (module docstring).
 
   Example:
-    >>> partitions = PiperPartitioner(graph, costs)(4)   # b = 4
-    >>> [len(p.stages) for p in partitions]
+    >>> from graphpipe.costs import AnalyticCostModel, device_spec
+    >>> graph = capture_zoo("two_branch", "paper")   # the case study
+    >>> costs = StageCosts(graph, AnalyticCostModel(device_spec("v100")),
+    ...                    batch_size=8, num_devices=8, memory_bytes=16e9)
+    >>> piper = PiperPartitioner(graph, costs, PIPER_BUDGET)
+    >>> partitions = piper(4)                      # b = 4
+    >>> partitions[0].stages        # a chain of 8 one-device stages
+    (((0,), 1), ((1,), 1), ((2,), 1), ((3,), 1), ((4,), 1), ((5,), 1),
+     ((6,), 1), ((7, 8), 1))
+    >>> partitions[0].chain, piper.priced          # (down-set pairs priced)
+    (True, 226)
+    >>> PiperPartitioner(graph, costs, budget=100)(4)
+    Traceback (most recent call last):
+    ...
+    graphpipe.errors.PlanError: piper found no plan within its search
+    budget: it priced 100 stages (down-set pairs) of this 9-node graph,
+    whose down-sets grow exponentially with its parallel branches; raise
+    piper_budget or use planner='graphpipe'
 
   Args:
     graph: the operator graph.

@@ -245,10 +245,11 @@ def estimate_iteration_time(
     >>> graph = capture_zoo("two_branch", "paper")
     >>> p = graphpipe.plan(graph, num_devices=8, batch_size=8)
     >>> v100 = AnalyticCostModel(device_spec("v100"))
-    >>> estimate_iteration_time(p, graph, v100)    # seconds
-    0.0290...
-    >>> graphpipe.simulate(p, graph, v100).iteration_time_s   # the events
-    0.0294...
+    >>> round(estimate_iteration_time(p, graph, v100) * 1e3, 2)   # ms
+    28.45
+    >>> report = graphpipe.simulate(p, graph, v100)   # the events agree
+    >>> round(report.iteration_time_s * 1e3, 2)
+    28.45
 
   Args:
     p: the plan.

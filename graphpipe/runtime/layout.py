@@ -10,6 +10,14 @@ bit-cast). A data-parallel stage with k devices gives each device rows
 [r*b/k, (r+1)*b/k) of a micro-batch of b samples, so a transfer between two
 stages is a contiguous run of rows of one edge matrix: contiguous in memory
 at both ends.
+
+Stages may take different micro-batch sizes (sizes grow along stage edges
+by whole multiples, `graphpipe.schedules.grid`): across an edge whose
+destination is k times larger, the source's micro-batch i is *piece*
+i mod k of the destination's micro-batch i // k, rows [(i mod k) b,
+(i mod k + 1) b) of it. Transfers are made per piece: the rows of piece p
+go to the destination devices holding them, and in the backward the
+destination returns its input gradients in the same k pieces.
 """
 
 from __future__ import annotations
@@ -74,6 +82,9 @@ class Transfer:
   src_row: int  # first row in the sender's edge matrix
   dst_row: int  # first row in the receiver's edge matrix
   rows: int
+  # Which of the k source micro-batches that make one destination
+  # micro-batch this is (0 when both ends take the same size).
+  piece: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +95,7 @@ class StageLayout:
   nodes: tuple[int, ...]
   devices: tuple[int, ...]
   chunk: int  # samples per device per micro-batch
+  size: int  # samples per micro-batch (all devices of the stage)
   params: tuple[str, ...]  # 'param:' keys, in flat-buffer order
   state: tuple[str, ...]  # 'state:' keys, in flat-buffer order
   batch: tuple[str, ...]  # 'batch:' keys read
@@ -100,12 +112,25 @@ class Layout:
   edges: tuple[EdgeLayout, ...]
   transfers: tuple[Transfer, ...]
   param_shapes: dict  # key -> (shape, dtype)
-  micro_batch_size: int
-  num_microbatches: int
+  micro_batch_size: int  # the smallest stage's
+  num_microbatches: int  # of the smallest stage
   num_devices: int
 
   def stage_of_device(self) -> dict[int, int]:
     return {d: s.id for s in self.stages for d in s.devices}
+
+  @property
+  def batch_size(self) -> int:
+    return self.micro_batch_size * self.num_microbatches
+
+  def microbatches(self, stage: int) -> int:
+    """Micro-batches `stage` runs per step."""
+    return self.batch_size // self.stages[stage].size
+
+  def pieces(self, edge: int) -> int:
+    """Source micro-batches per destination micro-batch across `edge`."""
+    e = self.edges[edge]
+    return self.stages[e.dst].size // self.stages[e.src].size
 
   def in_offsets(self, stage: int) -> dict[int, int]:
     """Edge index -> element offset of its block in the stage's inputs."""
@@ -171,27 +196,29 @@ SUPPORTED_DTYPES = (
 def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
   """The static layout of `plan` over the captured `graph`."""
   program: Program = graph.program
-  b = plan.micro_batch_size
-  if any(s.micro_batch_size != b for s in plan.stages):
-    raise PipelineRuntimeError(
-      "the runtime needs one micro-batch size for all stages; this plan "
-      f"has {sorted({s.micro_batch_size for s in plan.stages})}"
-    )
-  if plan.batch_size % b:
-    raise PipelineRuntimeError(
-      f"batch size {plan.batch_size} is not a multiple of the micro-batch "
-      f"size {b}"
-    )
+  sizes = {s.id: s.micro_batch_size for s in plan.stages}
   for s in plan.stages:
+    b = s.micro_batch_size
+    if b < 1 or plan.batch_size % b:
+      raise PipelineRuntimeError(
+        f"batch size {plan.batch_size} is not a multiple of stage {s.id}'s "
+        f"micro-batch size {b}"
+      )
     if b % len(s.devices):
       raise PipelineRuntimeError(
         f"stage {s.id} splits micro-batches of {b} over "
         f"{len(s.devices)} devices: the micro-batch must divide evenly"
       )
-  if schedule.num_microbatches != plan.batch_size // b:
-    raise PipelineRuntimeError(
-      "the schedule and the plan disagree on micro-batches"
-    )
+    if schedule.microbatches(s.id) != plan.batch_size // b:
+      raise PipelineRuntimeError(
+        "the schedule and the plan disagree on micro-batches"
+      )
+  for src, dst in plan.stage_edges:
+    if sizes[dst] % sizes[src]:
+      raise PipelineRuntimeError(
+        f"stage {dst} takes micro-batches of {sizes[dst]}, not a multiple of "
+        f"stage {src}'s {sizes[src]}: sizes may only grow along stage edges"
+      )
   owner = {n: s.id for s in plan.stages for n in s.nodes}
   if sorted(owner) != list(range(len(graph.nodes))):
     raise PipelineRuntimeError(
@@ -242,7 +269,7 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
     # Sequential plans chain stages of independent branches: such an edge
     # carries no value, only the order. A one-column token keeps that order
     # physical, as a sequential pipeline's data flow would.
-    chunk = b // len(plan.stages[src].devices)
+    chunk = sizes[src] // len(plan.stages[src].devices)
     values = []
     for key in keys:
       if dtypes[key] not in SUPPORTED_DTYPES:
@@ -274,7 +301,8 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
         id=s.id,
         nodes=tuple(sorted(s.nodes)),
         devices=tuple(s.devices),
-        chunk=b // len(s.devices),
+        chunk=s.micro_batch_size // len(s.devices),
+        size=s.micro_batch_size,
         params=tuple(
           sorted({k for k in reads if k.startswith("param:")}, key=_key_order)
         ),
@@ -296,14 +324,26 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
   transfers = []
   for e, edge in enumerate(edges):
     src, dst = stages[edge.src], stages[edge.dst]
-    for i, sd in enumerate(src.devices):
-      for j, dd in enumerate(dst.devices):
-        lo = max(i * src.chunk, j * dst.chunk)
-        hi = min((i + 1) * src.chunk, (j + 1) * dst.chunk)
-        if lo < hi:
-          transfers.append(
-            Transfer(e, sd, dd, lo - i * src.chunk, lo - j * dst.chunk, hi - lo)
-          )
+    # Rows of the destination's micro-batch: piece p of it is the source's
+    # micro-batch rows shifted by p times the source's size.
+    for piece in range(dst.size // src.size):
+      base = piece * src.size
+      for i, sd in enumerate(src.devices):
+        for j, dd in enumerate(dst.devices):
+          lo = max(base + i * src.chunk, j * dst.chunk)
+          hi = min(base + (i + 1) * src.chunk, (j + 1) * dst.chunk)
+          if lo < hi:
+            transfers.append(
+              Transfer(
+                e,
+                sd,
+                dd,
+                lo - base - i * src.chunk,
+                lo - j * dst.chunk,
+                hi - lo,
+                piece,
+              )
+            )
   param_shapes = {
     k: (tuple(a.shape), str(a.dtype))
     for k, a in key_avals.items()
@@ -314,8 +354,8 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
     edges=tuple(edges),
     transfers=tuple(transfers),
     param_shapes=param_shapes,
-    micro_batch_size=b,
-    num_microbatches=plan.batch_size // b,
+    micro_batch_size=plan.micro_batch_size,
+    num_microbatches=plan.num_microbatches,
     num_devices=plan.num_devices,
   )
 

@@ -52,35 +52,48 @@ class StageCode:
       env = dict(self.consts)
       env.update(params)
       env.update(batch)
+      tokens = []
       for e in s.in_edges:
         edge = edges[e]
         start = in_offsets[e]
         width = edge.width
         matrix = lax.dynamic_slice_in_dim(acts_block, start, s.chunk * width)
         matrix = matrix.reshape(s.chunk, width)
+        if edge.token:
+          tokens.append(matrix)
         col = 0
         for v in edge.values:
           env[v.key] = packing.from_rows(
             matrix[:, col : col + v.width], v, s.chunk
           )
           col += v.width
+      if tokens:
+        # An order-only edge: nothing of the stage may start before its
+        # tokens arrived (else XLA drops the unread token and its transfer,
+        # and the chained stages no longer wait for each other).
+        tokens, env = lax.optimization_barrier((tokens, env))
       for n in s.nodes:
         node = program.nodes[n]
         outs = node(*[env[k] for k in node.inputs])
         env.update(zip(node.outputs, outs, strict=True))
-      blocks = []
-      for e in s.out_edges:
-        rows = [
-          packing.to_rows(env[v.key], v, s.chunk) for v in edges[e].values
-        ]
-        if edges[e].token:
-          rows = [jnp.zeros((s.chunk, 1), jnp.float32)]
-        blocks.append(jnp.concatenate(rows, axis=1).reshape(-1))
-      out = jnp.concatenate(blocks) if blocks else jnp.zeros((0,), jnp.float32)
       loss = sum(
         (env[k].astype(jnp.float32) for k in s.loss_keys),
         jnp.zeros((), jnp.float32),
       )
+      blocks = {}
+      for e in s.out_edges:
+        if not edges[e].token:
+          rows = [
+            packing.to_rows(env[v.key], v, s.chunk) for v in edges[e].values
+          ]
+          blocks[e] = jnp.concatenate(rows, axis=1).reshape(-1)
+      for e in s.out_edges:
+        if edges[e].token:
+          # Sent once the stage's work is done, like a value would be.
+          zeros = jnp.zeros((s.chunk,), jnp.float32)
+          blocks[e], _ = lax.optimization_barrier((zeros, (loss, blocks)))
+      blocks = [blocks[e] for e in s.out_edges]
+      out = jnp.concatenate(blocks) if blocks else jnp.zeros((0,), jnp.float32)
       return out, loss
 
     return f

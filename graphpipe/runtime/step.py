@@ -25,6 +25,9 @@ device, so the scan body is one program. What a device computes at tick t
 is readable by its receivers from tick t + 1. A sink stage's forward and
 the backward at the next tick run as one action where nothing else runs
 (`tables.fuse_ticks`): a one-stage 1F1B step is a scan of value-and-grad.
+Stages with different micro-batch sizes need nothing else here: the tables
+put the k pieces a larger stage collects at their rows of one activation
+slot, and route the k gradient pieces it returns, each on its own channel.
 
 The loop's shape is dictated by what XLA:CPU keeps in place. It copies a
 whole buffer (stash, gradient slots) that is read and then updated in one
@@ -162,7 +165,7 @@ class StepBuilder(StageCode):
   def _batch_rows(self, stage, device, batch, mb):
     s = self.layout.stages[stage]
     replica = s.devices.index(device)
-    start = mb * self.layout.micro_batch_size + replica * s.chunk
+    start = mb * s.size + replica * s.chunk
     return {
       k: lax.dynamic_slice_in_dim(batch[k[len("batch:") :]], start, s.chunk)
       for k in s.batch
@@ -173,7 +176,10 @@ class StepBuilder(StageCode):
 
     Forward: rows of its output edge matrices (`vector`, blocks at
     `offsets`) to the successors' devices; backward: rows of the gradients
-    of its input edge matrices to the predecessors' devices.
+    of its input edge matrices to the predecessors' devices, every piece
+    on its own channel. A forward sends its rows on the channels of every
+    piece it may be: the receivers' tables take only the piece that this
+    micro-batch is (`tables.build_tables`).
     """
     sends = jnp.zeros(
       (self.buffers.channels, self.buffers.channel), jnp.float32
@@ -189,7 +195,7 @@ class StepBuilder(StageCode):
       width = self.layout.edges[tr.edge].width
       start = offsets[tr.edge] + row * width
       piece = vector[start : start + tr.rows * width]
-      channel = self.channel_of[(device, other)]
+      channel = self.channel_of[(device, other, "FB"[not forward], tr.piece)]
       sends = sends.at[channel].set(packing.pad_to(piece, self.buffers.channel))
     return sends
 

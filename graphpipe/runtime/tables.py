@@ -5,6 +5,14 @@ branch each device runs at each tick, which stash slots its action uses,
 and, for every ppermute channel, where the rows a device receives go. Stash
 slots come from interval colouring of each buffered value's lifetime, so a
 device holds only the micro-batches the schedule keeps in flight.
+
+Stages with different micro-batch sizes: each stage counts its own
+micro-batches. A stage k times larger than a predecessor collects that
+predecessor's k forwards in one activation slot (piece p at its rows of
+the micro-batch, `graphpipe.runtime.layout`), the slot living from the
+first piece's arrival to the forward; its backward sends the k gradient
+pieces at once, each on a channel of its own, into k gradient slots of the
+predecessor (one per predecessor micro-batch).
 """
 
 from __future__ import annotations
@@ -25,7 +33,11 @@ class Channels:
 
   Attributes:
     groups: per channel, its (source, destination) device pairs.
-    channel_of: (source, destination) -> channel.
+    channel_of: (source, destination, direction, piece) -> channel;
+      direction 'F' (activations) or 'B' (gradients), piece the
+      transfer's piece (`layout.Transfer.piece`). The pieces of one
+      device pair travel on channels of their own: a backward returns
+      them at once.
     size: float32 elements of the largest single transfer.
   """
 
@@ -36,14 +48,14 @@ class Channels:
 
 def make_channels(layout: Layout) -> Channels:
   """The channels of every transfer of `layout`, both directions."""
-  pairs = []
+  items = []
   for t in layout.transfers:
-    pairs.append((t.src_device, t.dst_device))  # activations
-    pairs.append((t.dst_device, t.src_device))  # their gradients
-  groups = tuple(tuple(g) for g in color_pairs(pairs))
+    items.append((t.src_device, t.dst_device, "F", t.piece))  # activations
+    items.append((t.dst_device, t.src_device, "B", t.piece))  # gradients
+  colored = color_pairs(items)
   return Channels(
-    groups=groups,
-    channel_of={pair: c for c, group in enumerate(groups) for pair in group},
+    groups=tuple(tuple(item[:2] for item in g) for g in colored),
+    channel_of={item: c for c, group in enumerate(colored) for item in group},
     size=max(
       [1] + [t.rows * layout.edges[t.edge].width for t in layout.transfers]
     ),
@@ -103,14 +115,15 @@ def build_tables(
     stage, kind, mb = (int(x) for x in table[t, d])
     for k in ("F", "B") if kind == FUSED else ("FB"[kind],):
       when[(stage, k, mb)] = int(t)
-  m = lay.num_microbatches
   act_life, grad_life, res_life = {}, {}, {}
   for s in lay.stages:
     for d in s.devices:
-      for mb in range(m):
+      for mb in range(lay.microbatches(s.id)):
         f_tick, b_tick = when[(s.id, "F", mb)], when[(s.id, "B", mb)]
+        # Piece p of micro-batch mb is the source's micro-batch
+        # mb * k + p (k = 1 when both ends take the same size).
         arrivals = [
-          when[(lay.edges[t.edge].src, "F", mb)]
+          when[(lay.edges[t.edge].src, "F", mb * lay.pieces(t.edge) + t.piece)]
           for t in lay.transfers
           if t.dst_device == d
         ]
@@ -122,9 +135,9 @@ def build_tables(
           end = b_tick if recompute else f_tick
           act_life[(d, mb)] = (min(arrivals), end)
         grads = [
-          when[(lay.edges[t.edge].dst, "B", mb)]
+          when[(lay.edges[t.edge].dst, "B", mb // lay.pieces(t.edge))]
           for t in lay.transfers
-          if t.src_device == d
+          if t.src_device == d and t.piece == mb % lay.pieces(t.edge)
         ]
         if grads:
           if max(grads) >= b_tick:
@@ -184,11 +197,13 @@ def build_tables(
     edge = lay.edges[tr.edge]
     width = edge.width
     src_stage, dst_stage = edge.src, edge.dst
-    for mb in range(m):
+    k = lay.pieces(tr.edge)
+    for mb in range(lay.microbatches(dst_stage)):
+      src_mb = mb * k + tr.piece
       # Activations: sent at the source's F tick, into the receiver's
-      # activation stash.
-      t = when[(src_stage, "F", mb)]
-      c = channels.channel_of[(tr.src_device, tr.dst_device)]
+      # activation stash (the slot of the micro-batch the piece is in).
+      t = when[(src_stage, "F", src_mb)]
+      c = channels.channel_of[(tr.src_device, tr.dst_device, "F", tr.piece)]
       _set_recv(
         arrays,
         t,
@@ -200,16 +215,16 @@ def build_tables(
         length=tr.rows * width,
       )
       # Gradients: sent at the receiver's B tick, into the sender's
-      # gradient stash.
+      # gradient stash (the slot of the piece's own micro-batch).
       t = when[(dst_stage, "B", mb)]
-      c = channels.channel_of[(tr.dst_device, tr.src_device)]
+      c = channels.channel_of[(tr.dst_device, tr.src_device, "B", tr.piece)]
       _set_recv(
         arrays,
         t,
         tr.src_device,
         c,
         grad=True,
-        slot=grad_slot[(tr.src_device, mb)],
+        slot=grad_slot[(tr.src_device, src_mb)],
         offset=lay.out_offsets(src_stage)[tr.edge] + tr.src_row * width,
         length=tr.rows * width,
       )
@@ -245,18 +260,18 @@ def _set_recv(arrays, t, device, channel, *, grad, slot, offset, length):
   arrays["recv_len"][t, device, channel] = length
 
 
-def color_pairs(
-  pairs: Sequence[tuple[int, int]],
-) -> list[list[tuple[int, int]]]:
-  """Groups (src, dst) device pairs into permutations (ppermute calls).
+def color_pairs(pairs: Sequence[tuple]) -> list[list[tuple]]:
+  """Groups (src, dst, ...) items into permutations (ppermute calls).
 
   A bipartite edge colouring: each group has unique sources and unique
-  destinations. Greedy by first fit, enough for pipeline fan-in/fan-out.
+  destinations (the first two entries of each item; further entries tell
+  apart items of one device pair, which then get groups of their own).
+  Greedy by first fit, enough for pipeline fan-in/fan-out.
   """
-  groups: list[list[tuple[int, int]]] = []
+  groups: list[list[tuple]] = []
   for pair in sorted(set(pairs)):
     for group in groups:
-      if all(pair[0] != a and pair[1] != b for a, b in group):
+      if all(pair[0] != a[0] and pair[1] != a[1] for a in group):
         group.append(pair)
         break
     else:

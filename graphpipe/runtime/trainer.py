@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from typing import Any, NamedTuple
 
@@ -17,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.errors import PipelineRuntimeError
-from graphpipe.runtime import slots
+from graphpipe.runtime import checkpoints, faults, guards, slots
 from graphpipe.runtime.layout import build_layout
 from graphpipe.runtime.memory import runtime_report
 from graphpipe.runtime.step import AXIS, StepBuilder
@@ -84,6 +82,10 @@ class Trainer:
 
   Args:
     plan: the stage DAG (from `graphpipe.plan` or a baseline planner).
+      Stages may take different micro-batch sizes (`graphpipe.plan(...,
+      per_stage_micro_batches=True)`): a stage k times larger than its
+      predecessor collects k of their micro-batches, runs once and returns
+      its gradients in k pieces (`graphpipe.runtime.layout`).
     optimizer: an optax transformation. It runs on each device's flat
       buffer, so it must treat parameters elementwise (sgd, adam, adamw,
       ...); transformations that reduce over all parameters (global-norm
@@ -96,7 +98,8 @@ class Trainer:
       stashing the forward's residuals (less memory, more compute).
     loss_reduction: 'mean' if the loss averages per-sample losses (the
       usual), 'sum' if it sums them.
-    stop_on_nan: raise when the loss is not finite (else only flag it).
+    stop_on_nan: raise when the loss is not finite (else only flag it;
+      either way the step is skipped, see `step`).
   """
 
   def __init__(
@@ -111,6 +114,11 @@ class Trainer:
     loss_reduction: str = "mean",
     stop_on_nan: bool = False,
   ):
+    if not all(hasattr(optimizer, a) for a in ("init", "update")):
+      raise PipelineRuntimeError(
+        f"optimizer must be an optax GradientTransformation (e.g. "
+        f"optax.adam(1e-3)), got {optimizer!r}"
+      )
     graph = graph if graph is not None else getattr(plan, "graph", None)
     if graph is None or graph.program is None:
       raise PipelineRuntimeError(
@@ -183,38 +191,79 @@ class Trainer:
     updates, opt_state = self.optimizer.update(
       grads, _local(ts.opt_state), params
     )
-    params = optax.apply_updates(params, updates)
-    new = TrainState(_rows(params), ts.state, _rows(opt_state), ts.step + 1)
+    # A step whose loss is not finite is skipped: parameters, optimizer
+    # state and step count stay as they were (the loss is psummed, so every
+    # device decides alike).
+    finite = jnp.isfinite(loss)
+    keep = lambda new, old: jax.tree.map(
+      lambda a, b: jnp.where(finite, a, b), new, old
+    )
+    params = keep(optax.apply_updates(params, updates), params)
+    opt_state = keep(opt_state, _local(ts.opt_state))
+    step = ts.step + finite.astype(ts.step.dtype)
+    new = TrainState(_rows(params), ts.state, _rows(opt_state), step)
     return new, {"loss": loss}, _rows(grads)
 
   # Public API.
 
   def init(self, model_or_variables) -> TrainState:
-    """Initial state from an NNX model (or linen variables) of the graph."""
+    """Initial state from an NNX model (or linen variables) of the graph.
+
+    Refuses a model whose variables differ in structure or shape from the
+    captured one's, and non-finite weights.
+    """
+    from flax import nnx
+
+    if not isinstance(model_or_variables, nnx.Module | dict):
+      raise PipelineRuntimeError(
+        "init takes the NNX model (or linen variables dict) the graph was "
+        f"captured from, got {type(model_or_variables).__name__}"
+      )
     values = self.graph.program.variable_values(model_or_variables)
     return self.state_from_values(values)
 
   def state_from_values(self, values: dict, step: int = 0) -> TrainState:
     """A state from parameter / state values by key ('param:a.b.kernel')."""
+    guards.check_values(values, self.layout.param_shapes)
     params = self._to_rows(self._host_slots(self.buffers.params, values))
     state = self._to_rows(self._host_slots(self.buffers.state, values))
-    step_array = jax.device_put(jnp.asarray(step, jnp.int32), self._replicated)
+    # (device_put of a host scalar makes a malformed array across processes)
+    step_array = jax.make_array_from_callback(
+      (), self._replicated, lambda _: np.asarray(step, np.int32)
+    )
     return TrainState(params, state, self._init_opt(params), step_array)
 
   def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
     """One optimizer step on `batch` (the plan's batch size).
 
     `state` is consumed (its buffers are donated to the new state): use
-    the returned state from then on.
+    the returned state from then on. A step whose loss is not finite
+    (NaN or inf) changes nothing but is reported: `metrics["finite"]` is
+    False and the returned state equals the given one (parameters,
+    optimizer state, step count); with `stop_on_nan` it raises
+    `PipelineRuntimeError` instead, the unchanged state in its `.state`.
     """
+    if not isinstance(state, TrainState):
+      raise PipelineRuntimeError(
+        f"step takes the TrainState of init/restore/step, got "
+        f"{type(state).__name__}"
+      )
     batch = self._device_batch(batch)
-    new, metrics, _ = self._step(state, batch)
-    loss = float(_first_shard(metrics["loss"]))
+    die_at = faults.armed("step")
+    if die_at is not None and die_at == int(_first_shard(state.step)):
+      self._step(state, batch)
+      faults.die()
+    with guards.peers_checked():
+      new, metrics, _ = self._step(state, batch)
+      loss = float(_first_shard(metrics["loss"]))
     metrics = {"loss": loss, "finite": bool(np.isfinite(loss))}
     if self.stop_on_nan and not metrics["finite"]:
-      raise PipelineRuntimeError(
-        f"the loss is {loss} at step {int(_first_shard(new.step))}"
+      err = PipelineRuntimeError(
+        f"the loss is {loss} at step {int(_first_shard(new.step))}; the "
+        "step was skipped (its state is the error's .state)"
       )
+      err.state = new
+      raise err
     return new, metrics
 
   def loss_and_grads(self, state: TrainState, batch) -> tuple[float, dict]:
@@ -244,37 +293,17 @@ class Trainer:
   # Checkpoints.
 
   def save(self, state: TrainState, directory: str) -> None:
-    """Writes `state` to `directory` (orbax; every process calls it)."""
-    import orbax.checkpoint as ocp
+    """Writes `state` to `directory` (orbax; every process calls it).
 
-    directory = os.path.abspath(directory)
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(os.path.join(directory, "state"), state, force=True)
-    checkpointer.wait_until_finished()
-    if jax.process_index() == 0:
-      with open(os.path.join(directory, "layout.json"), "w") as f:
-        json.dump(self._signature(), f)
+    The folder counts as a checkpoint only once the save has finished
+    (`graphpipe.runtime.checkpoints`): a crash midway leaves a folder
+    that `restore` refuses and `checkpoints.latest` skips.
+    """
+    checkpoints.save(self, state, directory)
 
   def restore(self, directory: str) -> TrainState:
     """Reads a state written by `save` for this same plan and graph."""
-    import orbax.checkpoint as ocp
-
-    directory = os.path.abspath(directory)
-    try:
-      with open(os.path.join(directory, "layout.json")) as f:
-        saved = json.load(f)
-    except FileNotFoundError as err:
-      raise PipelineRuntimeError(
-        f"{directory} holds no graphpipe checkpoint"
-      ) from err
-    if saved != self._signature():
-      raise PipelineRuntimeError(
-        "this checkpoint was written for another plan or graph "
-        f"(saved {saved}, this trainer {self._signature()})"
-      )
-    return ocp.StandardCheckpointer().restore(
-      os.path.join(directory, "state"), self._abstract_state()
-    )
+    return checkpoints.restore(self, directory)
 
   def _signature(self) -> dict:
     from graphpipe.core.fingerprint import graph_fingerprint

@@ -63,16 +63,17 @@ def one_f_one_b(plan: Plan) -> Schedule:
     >>> print(plan)                     # two branches joined by stage 2
     Plan[graphpipe] 3 stages, depth 2, b=4 x 2 micro-batches, 4 devices,
     schedule 1f1b
-      stage 0: nodes [0, 1, 2, 3] on devices [0], b=4, in flight 2
-      stage 1: nodes [4, 5, 6, 7] on devices [1], b=4, in flight 2
-      stage 2: nodes [8] on devices [2], b=4, in flight 1
+      stage 0: nodes [0, 1, 2] on devices [2], b=4, in flight 2
+      stage 1: nodes [4, 5, 6] on devices [3], b=4, in flight 2
+      stage 2: nodes [3, 7, 8] on devices [0, 1], b=4, in flight 1
       edges: [(0, 2), (1, 2)]
-    >>> print(one_f_one_b(plan))
+    >>> print(one_f_one_b(plan))        # stage 2 runs on devices 0 and 1
     1f1b schedule: 3 stages, 2 micro-batches, 6 steps, in flight 2,2,1
     step     0    1    2    3    4    5
-    dev 0  0F0  0F1    .  0B0    .  0B1
-    dev 1  1F0  1F1    .  1B0    .  1B1
-    dev 2    .  2F0  2B0  2F1  2B1    .
+    dev 0    .  2F0  2B0  2F1  2B1    .
+    dev 1    .  2F0  2B0  2F1  2B1    .
+    dev 2  0F0  0F1    .  0B0    .  0B1
+    dev 3  1F0  1F1    .  1B0    .  1B1
 
   Args:
     plan: stages (ids in topological order, disjoint device sets, sizes
@@ -101,8 +102,13 @@ def gpipe(plan: Plan) -> Schedule:
 
   Example:
     >>> plan = graphpipe.plan(capture_zoo("two_branch", "tiny"), 4, 8)
-    >>> [str(a) for a in gpipe(plan).actions(0)]    # 2 micro-batches
-    ['0F0', '0F1', '0B0', '0B1']
+    >>> print(gpipe(plan))              # all forwards, then all backwards
+    gpipe schedule: 3 stages, 2 micro-batches, 6 steps, in flight 2,2,2
+    step     0    1    2    3    4    5
+    dev 0    .  2F0  2F1  2B0  2B1    .
+    dev 1    .  2F0  2F1  2B0  2B1    .
+    dev 2  0F0  0F1    .    .  0B0  0B1
+    dev 3  1F0  1F1    .    .  1B0  1B1
 
   Args:
     plan: stages (ids in topological order, disjoint device sets, sizes

@@ -46,9 +46,10 @@ def check_schedule(schedule: Schedule) -> None:
     graphpipe.errors.ScheduleError: stage 2 stashes 2 micro-batches at step 2
     (2F1), more than its in-flight bound 1: run a backward before this forward
     step     0    1    2    3    4    5
-    dev 0  0F0  0F1    .    .  0B0  0B1
-    dev 1  1F0  1F1    .    .  1B0  1B1
-    dev 2    .  2F0 [2F1] 2B0  2B1    .
+    dev 0    .  2F0 [2F1] 2B0  2B1    .
+    dev 1    .  2F0  2F1  2B0  2B1    .
+    dev 2  0F0  0F1    .    .  0B0  0B1
+    dev 3  1F0  1F1    .    .  1B0  1B1
     Build schedules with graphpipe.schedules.one_f_one_b(plan) or
     gpipe(plan), or move the marked action.
 

@@ -107,10 +107,11 @@ class Schedule:
     >>> print(schedule)                 # the device x step grid
     1f1b schedule: 3 stages, 2 micro-batches, 6 steps, in flight 2,2,1
     step     0    1    2    3    4    5
-    dev 0  0F0  0F1    .  0B0    .  0B1
-    dev 1  1F0  1F1    .  1B0    .  1B1
-    dev 2    .  2F0  2B0  2F1  2B1    .
-    >>> [str(a) for a in schedule.actions(2)]   # device 2's ordered actions
+    dev 0    .  2F0  2B0  2F1  2B1    .
+    dev 1    .  2F0  2B0  2F1  2B1    .
+    dev 2  0F0  0F1    .  0B0    .  0B1
+    dev 3  1F0  1F1    .  1B0    .  1B1
+    >>> [str(a) for a in schedule.actions(0)]   # device 0's ordered actions
     ['2F0', '2B0', '2F1', '2B1']
     >>> schedule.ticks()[Action(2, "B", 0)]     # the step it runs at
     2
@@ -270,11 +271,12 @@ def format_grid(
   Example:
     >>> plan = graphpipe.plan(capture_zoo("two_branch", "tiny"), 4, 8)
     >>> schedule = graphpipe.schedule_for(plan)
-    >>> print(format_grid(schedule, mark=(2, 3)))
+    >>> print(format_grid(schedule, mark=(0, 3)))
     step     0    1    2    3    4    5
-    dev 0  0F0  0F1    .  0B0    .  0B1
-    dev 1  1F0  1F1    .  1B0    .  1B1
-    dev 2    .  2F0  2B0 [2F1] 2B1    .
+    dev 0    .  2F0  2B0 [2F1] 2B1    .
+    dev 1    .  2F0  2B0  2F1  2B1    .
+    dev 2  0F0  0F1    .  0B0    .  0B1
+    dev 3  1F0  1F1    .  1B0    .  1B1
 
   Args:
     schedule: the schedule to print.

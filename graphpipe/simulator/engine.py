@@ -142,12 +142,38 @@ class Report:
 
   def save_gantt(self, path: str, title: str = "") -> None:
     """Draws the timeline as a Gantt chart PNG (needs matplotlib)."""
-    title = title or (
+    title = title or self._title()
+    timeline.save_gantt(path, self.events, self.track_names(), title)
+
+  def draw_gantt(self, axes, title: str = "", end_s: float | None = None):
+    """Draws the timeline on matplotlib `axes` (`timeline.draw_gantt`).
+
+    Example:
+      >>> from matplotlib.figure import Figure
+      >>> graph = capture_zoo("two_branch", "tiny")
+      >>> plans = [graphpipe.plan(graph, 4, 8, planner=p)
+      ...          for p in ("graphpipe", "sequential")]
+      >>> reports = [simulate(p, graph) for p in plans]
+      >>> end = max(r.iteration_time_s for r in reports)   # one time scale
+      >>> figure = Figure(figsize=(12, 5))
+      >>> for i, r in enumerate(reports):
+      ...   r.draw_gantt(figure.add_subplot(2, 1, i + 1), end_s=end)
+
+    Args:
+      axes: a matplotlib `Axes`.
+      title: the chart title (default: planner, iteration time, bubble).
+      end_s: the right end of the time axis in seconds.
+    """
+    timeline.draw_gantt(
+      axes, self.events, self.track_names(), title or self._title(), end_s
+    )
+
+  def _title(self) -> str:
+    return (
       f"{self.planner} ({self.schedule_kind}): "
       f"{self.iteration_time_s * 1e3:.3g} ms/iteration, bubble "
       f"{self.bubble_fraction:.0%}"
     )
-    timeline.save_gantt(path, self.events, self.track_names(), title)
 
   def _facts(self) -> dict:
     return {
@@ -200,6 +226,16 @@ def simulate(
       are done (one SPMD program with collectives at every tick), instead
       of each stage starting as soon as its inputs arrive.
   """
+  if not isinstance(plan, Plan) or not isinstance(graph, OpGraph):
+    raise SimulationError(
+      f"simulate(plan, graph) takes a Plan and an OpGraph, got "
+      f"{type(plan).__name__} and {type(graph).__name__}"
+    )
+  if schedule is not None and not isinstance(schedule, Schedule):
+    raise SimulationError(
+      f"schedule must be a Schedule (e.g. graphpipe.schedule_for(plan, "
+      f"'gpipe')), got {schedule!r}"
+    )
   if cost_model is None:
     cost_model = AnalyticCostModel(device_spec(plan.device or "v100"))
   if schedule is None:

@@ -5,7 +5,8 @@ turns them into the Trace Event Format that https://ui.perfetto.dev and
 chrome://tracing open: one process ("track") per device, with a lane for its
 compute (forward, backward, gradient all-reduce, optimizer step) and one lane
 per device it receives transfers from. `save_gantt` draws the same timeline
-as a PNG with matplotlib, an optional extra imported only when called.
+as a PNG with matplotlib, an optional extra imported only when called;
+`draw_gantt` draws it on axes the caller made (a notebook's figure).
 """
 
 from __future__ import annotations
@@ -148,10 +149,9 @@ def save_gantt(
 ) -> None:
   """Draws the events as a Gantt chart (one row per device) into a PNG.
 
-  Compute events fill a row, labelled with their action when wide enough;
-  transfers arriving at the device are thin bars along the row's bottom.
-  Needs matplotlib (`pip install matplotlib`, or the package's 'plots'
-  extra); raises `PlotsUnavailableError` without it.
+  The chart of `draw_gantt`, on a figure of its own. Needs matplotlib
+  (`pip install matplotlib`, or the package's 'plots' extra); raises
+  `PlotsUnavailableError` without it.
 
   Example:
     >>> graph = capture_zoo("two_branch", "tiny")
@@ -165,15 +165,53 @@ def save_gantt(
     title: the chart title.
   """
   figure_cls, canvas_cls = _matplotlib()
+  devices = {e.device for e in events} | set(track_names or {})
+  figure = figure_cls(figsize=(12, 1 + 0.45 * max(len(devices), 1)))
+  canvas_cls(figure)
+  draw_gantt(figure.add_subplot(), events, track_names, title)
+  figure.tight_layout()
+  figure.savefig(path, dpi=120)
+
+
+def draw_gantt(
+  axes,
+  events: Sequence[TraceEvent],
+  track_names: Mapping[int, str] | None = None,
+  title: str = "",
+  end_s: float | None = None,
+) -> None:
+  """Draws the events as a Gantt chart on matplotlib `axes`.
+
+  One row per device: compute events fill the row, labelled with their
+  action when wide enough; transfers arriving at the device are thin bars
+  along the row's bottom. Takes the caller's axes (and so imports no
+  plotting library): several timelines can share a figure, and `end_s`
+  gives them one time scale.
+
+  Example:
+    >>> from matplotlib.figure import Figure
+    >>> graph = capture_zoo("two_branch", "tiny")
+    >>> report = graphpipe.simulate(graphpipe.plan(graph, 4, 8), graph)
+    >>> axes = Figure().add_subplot()
+    >>> draw_gantt(axes, report.events, report.track_names())
+    >>> len(axes.get_yticks()) == len(report.track_names())
+    True
+
+  Args:
+    axes: a matplotlib `Axes`.
+    events: the events to draw.
+    track_names: a row label per device; default 'device K'.
+    title: the chart title.
+    end_s: the right end of the time axis in seconds (default: the last
+      event's end).
+  """
   track_names = dict(track_names or {})
   devices = sorted({e.device for e in events} | set(track_names))
   row = {d: i for i, d in enumerate(devices)}
   end = max((e.start_s + e.duration_s for e in events), default=1.0) or 1.0
+  end = end_s or end
   unit, scale = _time_unit(end)
   end *= scale
-  figure = figure_cls(figsize=(12, 1 + 0.45 * max(len(devices), 1)))
-  canvas_cls(figure)
-  axes = figure.add_subplot()
   for category, colour in _COLOURS.items():
     chosen = [e for e in events if e.category == category]
     if not chosen:
@@ -212,8 +250,6 @@ def save_gantt(
   axes.set_xlabel(f"time ({unit})")
   axes.set_title(title)
   axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-  figure.tight_layout()
-  figure.savefig(path, dpi=120)
 
 
 def _time_unit(seconds: float) -> tuple[str, float]:

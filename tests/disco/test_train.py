@@ -61,15 +61,25 @@ def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
     dense_epochs=1,
     prune_epochs=1,
     finetune_epochs=1,
+    sweep="0.1",
   )
   results = disco_train.run(settings, str(tmp_path))
   assert (tmp_path / "results.json").exists()
+  assert results["metric"] == "accuracy"
   for key in (
-    "accuracy_dense accuracy_disco accuracy_no_comm accuracy_random "
+    "quality_dense quality_disco quality_no_comm quality_random "
     "comm_bytes_dense comm_bytes_disco flops_dense flops_disco "
     "params_per_node_dense params_per_node_disco"
   ).split():
     assert isinstance(results[key], (int, float)), key
+  assert len(results["quality_disco_per_seed"]) == 1
+  rows = results["sweep"]
+  assert [(r["ratio"], r["selection"]) for r in rows] == [
+    (0.1, "magnitude"),
+    (0.1, "random"),
+  ]
+  assert rows[0]["comm_bytes"] < results["comm_bytes_disco"]
+  assert (tmp_path / "sweep_classify.png").stat().st_size > 1000
   assert results["comm_bytes_disco"] <= 0.2 * results["comm_bytes_dense"]
   assert results["flops_disco"] <= 0.65 * results["flops_dense"]
   ratio = results["params_per_node_disco"] / results["params_per_node_dense"]

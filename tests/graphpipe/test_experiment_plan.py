@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+import graphpipe
 from graphpipe import Plan
 from graphpipe.core.memory import KINDS
 from graphpipe.models import capture_zoo
@@ -100,9 +101,9 @@ def test_plan_writes_every_output(tmp_path):
 @pytest.mark.parametrize(
   "flag,message",
   [
-    ("--planner=nope", "unknown planner 'nope'"),
-    ("--model=nope", "unknown model 'nope'"),
-    ("--device=tpu9", "unknown device preset 'tpu9'"),
+    ("--planner=nope", "flag --planner=nope: value should be one of"),
+    ("--model=nope", "flag --model=nope: value should be one of"),
+    ("--device=tpu9", "flag --device=tpu9: value should be one of"),
   ],
 )
 def test_plan_refuses_bad_input_with_the_package_error(tmp_path, flag, message):
@@ -122,12 +123,29 @@ def test_compare_planners_writes_ratios(tmp_path):
     f"--out={tmp_path}",
   )
   assert done.returncode == 0, done.stderr[-3000:]
-  assert "[12/12]" in done.stdout + done.stderr
+  assert "configuration 12/12" in done.stderr  # progress, with timing
+  assert "elapsed" in done.stderr
   results = json.loads((tmp_path / "results.json").read_text())
   assert len(results["rows"]) == 2 * 2 * 3
   pairs = {(r["model"], r["num_devices"]) for r in results["ratios"]}
   assert pairs == {(m, n) for m in ("two_branch", "candle_uno") for n in (4, 8)}
+  speed = {
+    (r["model"], r["num_devices"], r["planner"]): r for r in results["rows"]
+  }
   for ratio in results["ratios"]:
-    assert ratio["graphpipe_over_sequential"] > 0
+    key = (ratio["model"], ratio["num_devices"])
+    ours, base = (
+      speed[(*key, p)]["throughput_samples_per_s"]
+      for p in ("graphpipe", "sequential")
+    )
+    assert ratio["graphpipe_over_sequential"] == pytest.approx(ours / base)
+  # A row is the simulated throughput of the planner's plan.
+  row = speed[("two_branch", 4, "graphpipe")]
+  graph = capture_zoo("two_branch", "tiny")
+  p = graphpipe.plan(graph, 4, row["batch_size"], device="v100")
+  report = graphpipe.simulate(p, graph)
+  assert row["throughput_samples_per_s"] == pytest.approx(
+    report.throughput_samples_per_s, rel=1e-6
+  )
   pytest.importorskip("matplotlib")
   assert (tmp_path / "ratio.png").exists()

@@ -2,23 +2,19 @@
 
 import dataclasses
 
-import optax
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from graphpipe import costs
 from graphpipe.core.stages import Plan, in_flight_counts
-from graphpipe.errors import PipelineRuntimeError, PlanError, ScheduleError
+from graphpipe.errors import PlanError, ScheduleError
 from graphpipe.planning.search import plan
 from graphpipe.planning.validate import check_plan
-from graphpipe.runtime import Trainer
 from graphpipe.schedules.builders import gpipe, one_f_one_b, schedule_for
 from graphpipe.schedules.checker import check_schedule
 from graphpipe.schedules.grid import Action, Schedule, overlapping
 from graphpipe.simulator.engine import simulate
-from tests.graphpipe import brute_force
-from tests.graphpipe import runtime_cases as rc
 from tests.graphpipe.test_schedule import (
   FEW,
   chain,
@@ -148,16 +144,6 @@ def test_plans_with_shrinking_sizes_are_refused():
     check_plan(shrinking, make_graph(chain(2)), 1e12)
 
 
-def test_the_trainer_refuses_unequal_sizes():
-  graph = rc.tiny_graph("two_branch")
-  half = len(graph.nodes) // 2
-  stages = [(tuple(range(half)), 1), (tuple(range(half, len(graph.nodes))), 1)]
-  uniform = brute_force.plan_of(graph, stages, 16, 4, 2, chain=True)
-  sized = with_sizes(uniform, [4, 8])
-  with pytest.raises(PipelineRuntimeError, match="one micro-batch size"):
-    Trainer(sized, optax.sgd(0.1), graph=graph)
-
-
 @pytest.fixture(scope="module")
 def dlrm():
   from graphpipe.models import capture_zoo
@@ -177,4 +163,5 @@ def test_the_planner_picks_unequal_sizes_where_they_pay(dlrm):
     simulate(sized, dlrm, v100).iteration_time_s
     < simulate(uniform, dlrm, v100).iteration_time_s
   )
-  # (`uniform` shows the default: off, the runtime does not run them yet.)
+  # (`uniform` shows the default: off, the paper's optional extension;
+  # the runtime runs such plans, `test_runtime_micro_batches.py`.)

@@ -1,11 +1,8 @@
 """Tests of graphpipe.planning: the planners and the baselines."""
 
 import dataclasses
-import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from graphpipe import costs
 from graphpipe.core.fingerprint import graph_fingerprint
@@ -241,50 +238,20 @@ def test_estimate_tracks_the_simulator():
     assert estimate == pytest.approx(simulated, rel=0.12)
 
 
-def test_search_is_fast_at_32_devices():
+def test_search_at_32_devices_gives_valid_deep_plans():
+  # How long the search takes is a benchmark (`experiments.reproduce`,
+  # key `search_time`), not a unit test: timings depend on the machine.
   graph = branchy(
     [[block(f"b{b}.{i}") for i in range(8)] for b in range(4)], glue("head")
   )
   for kind in ("graphpipe", "sequential"):
-    start = time.perf_counter()
-    plan(graph, 32, 64, planner=kind)
-    assert time.perf_counter() - start < 10
+    p = plan(graph, 32, 64, planner=kind)
+    check_plan(p, graph, V100.memory_bytes)
+    assert sum(len(s.devices) for s in p.stages) > 16
 
 
-@st.composite
-def random_graphs(draw):
-  """Random DAGs (series-parallel or not) with random layer costs."""
-  n = draw(st.integers(1, 9))
-  pairs = [(a, b) for a in range(n) for b in range(a + 1, n)]
-  edges = []
-  if pairs:
-    edges = sorted(set(draw(st.lists(st.sampled_from(pairs), max_size=2 * n))))
-  nodes = []
-  for i in range(n):
-    width = draw(st.sampled_from([256, 1024, 4096]))
-    nodes.append(dataclasses.replace(dense(f"n{i}", width, width), id=i))
-  return OpGraph(nodes, [Edge(a, b, 4.0 * 1024) for a, b in edges])
-
-
-@settings(
-  max_examples=80,
-  deadline=None,
-  suppress_health_check=[HealthCheck.too_slow],
-)
-@given(
-  random_graphs(),
-  st.integers(1, 6),
-  st.sampled_from([4, 6, 8]),
-  st.sampled_from(PLANNERS),
-  st.sampled_from([0.3e9, 2e9, 16e9]),
-)
-def test_every_plan_is_valid(graph, devices, batch, kind, memory):
-  try:
-    p = plan(graph, devices, batch, planner=kind, memory_bytes=memory)
-  except PlanError as err:
-    assert "smallest per-device memory" in str(err)
-    return
-  check_plan(p, graph, memory)
+# Random graphs through every planner, with a planning failure allowed only
+# under a budget no one-device plan meets: test_random_graphs.py.
 
 
 @pytest.fixture(scope="module")

@@ -140,3 +140,34 @@ def test_bad_inputs():
 
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__]))
+
+
+def test_order_only_edge_is_a_real_transfer():
+  """A sequential plan chaining two independent towers sends its token.
+
+  Nothing reads a token's value: unless the runtime makes the receiving
+  stage wait for it, XLA drops it with its collective-permute, and the
+  chained stages run concurrently (a sequential plan as fast as the graph
+  pipeline's, silently).
+  """
+  from flax import nnx
+
+  from experiments.bench_runtime import tower_plans
+  from graphpipe import capture
+  from graphpipe.models import two_tower
+
+  cfg = two_tower.Config(
+    in_features=8, hidden=16, tower_layers=2, num_classes=4
+  )
+  model = two_tower.Model(cfg, rngs=nnx.Rngs(0))
+  graph = capture(
+    two_tower.loss_fn, model, two_tower.abstract_batch(cfg, 8), granularity=2
+  )
+  graphpipe_plan, sequential_plan = tower_plans(graph, 16, 4)
+  batch = two_tower.make_batch(cfg, 16, seed=0)
+  texts = {}
+  for name, plan in (("graphpipe", graphpipe_plan), ("seq", sequential_plan)):
+    trainer = Trainer(plan, optax.sgd(0.1), graph=graph)
+    texts[name] = trainer.compiled(trainer.init(model), batch).as_text()
+  assert "collective-permute" in texts["seq"]
+  assert "collective-permute" not in texts["graphpipe"]

@@ -1,0 +1,293 @@
+"""DISCO latency on a real bandwidth-limited link, beside the latency model.
+
+  python -m experiments.disco_latency --out=DIR [--rates=100,1000,10000]
+
+Two processes, one per node, each pinned to its own core with one CPU
+device, run `disco.distributed` programs and talk over the loopback of a
+private network namespace whose bandwidth is limited by a token bucket:
+
+  unshare --net sh -c 'ip link set lo mtu 1500 && ip link set lo up &&
+    tc qdisc add dev lo root tbf rate <R>mbit burst 64kb latency 50ms &&
+    python -m experiments.disco_latency --role=link ...'
+
+(the MTU must be lowered: 64 KB loopback packets exceed the bucket). For
+every rate, model (the digits-sized ResNet and the x2 SR generator, random
+weights with the masks magnitude-selected at --comm_ratio: latency does not
+depend on training) and batch (1 and --batch): the median time of one call
+of dense channel parallelism and of DISCO, and of the model on one device
+(node 0's process, after the other has finished). Beside each, the
+`disco.metrics.LatencyModel` prediction for the same link: compute rate
+calibrated on the one-device time, `shared=True` because both nodes'
+traffic passes the one throttled loopback. `results.json` has `links`, one
+row per (rate, model, batch). Without permission for `unshare --net` and
+`tc` (root or CAP_NET_ADMIN) it says so and exits.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from experiments import common
+
+ROLE_FLAG = "--role=node"
+
+if __name__ == "__main__" and ROLE_FLAG in sys.argv:
+  # A node: its own core and one device, before JAX starts.
+  common.pin_to_core(int(os.environ.get("GRAPHPIPE_PROCESS_ID", "0")))
+
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+MODELS = ("resnet", "srnet")
+RESULT = "RESULT "
+
+
+def define_flags() -> None:
+  """The experiment's flags."""
+  flags.DEFINE_string("out", None, "Output folder.")
+  flags.DEFINE_string("rates", "100,1000,10000", "Link rates, Mbit/s.")
+  flags.DEFINE_string("models", ",".join(MODELS), "Models to time.")
+  flags.DEFINE_integer("batch", 64, "The large batch (1 is always timed).")
+  flags.DEFINE_integer("repeats", 10, "Timed calls per figure (median).")
+  flags.DEFINE_float("comm_ratio", 0.2, "DISCO's communication ratio.")
+  flags.DEFINE_float("message_latency", 1e-4, "Model: seconds per message.")
+  flags.DEFINE_enum("role", "main", ["main", "link", "node"], "Internal.")
+  common.define_flags()
+
+
+def build(name: str, keep: bool | None, ratio: float):
+  """The model `name` at `ratio` (DISCO), or all masks `keep` (dense).
+
+  Example:
+    >>> build("srnet", None, 0.2).config.scale
+    2
+  """
+  from flax import nnx
+
+  from disco import metrics, prune
+  from disco.models import ResNet, ResNetConfig, SRConfig, SRNet
+
+  if name == "resnet":
+    model = ResNet(ResNetConfig(num_nodes=2), rngs=nnx.Rngs(0))
+  else:
+    config = SRConfig(width=16, growth=8, image_size=16)
+    model = SRNet(config, rngs=nnx.Rngs(0))
+  prune.to_ratio(model, ratio, selection="magnitude")
+  model.eval()
+  return model if keep is None else metrics.with_masks(model, keep)
+
+
+def _node(settings: dict) -> None:
+  """One node's process: times dense and DISCO; node 0 adds one device."""
+  from graphpipe.runtime.launch import initialize_from_env
+
+  initialize_from_env()
+  import jax
+
+  from disco import distributed
+
+  mesh = distributed.node_mesh(2)
+  rows = []
+  for name in settings["models"]:
+    for batch in (1, settings["batch"]):
+      row = {"model": name, "batch": batch}
+      for variant, keep in (("dense", True), ("disco", None)):
+        model = build(name, keep, settings["comm_ratio"])
+        run = distributed.distribute(model, mesh)
+        images = np.random.default_rng(0).random(
+          (batch, *run.image_shape), np.float32
+        )
+        row[f"{variant}_ms"] = _median_ms(
+          run.apply, run.place(images), settings["repeats"]
+        )
+        row[f"{variant}_bytes"] = run.bytes_per_inference(batch) * batch
+      rows.append(row)
+  if jax.process_index() == 0:
+    from flax import nnx
+
+    device = jax.local_devices()[0]
+    for row in rows:
+      model = build(row["model"], True, settings["comm_ratio"])
+      graphdef, state = nnx.split(model)
+      state = jax.device_put(state, device)
+      forward = jax.jit(lambda s, x, g=graphdef: nnx.merge(g, s)(x))
+      shape = model.config.image_size, model.config.image_size
+      images = np.zeros((row["batch"], *shape, model.config.in_channels))
+      placed = jax.device_put(images.astype(np.float32), device)
+      row["one_device_ms"] = _median_ms(
+        lambda x, f=forward, s=state: f(s, x), placed, settings["repeats"]
+      )
+    print(RESULT + json.dumps(rows), flush=True)
+
+
+def _median_ms(call, placed, repeats: int) -> float:
+  for _ in range(2):  # compile, warm up
+    call(placed).block_until_ready()
+  times = []
+  for _ in range(repeats):
+    begin = time.perf_counter()
+    call(placed).block_until_ready()
+    times.append(time.perf_counter() - begin)
+  return 1e3 * float(np.median(times))
+
+
+def _link(settings: dict) -> None:
+  """Inside the namespace: the two node processes; relays node 0's rows."""
+  from graphpipe.runtime.launch import launch
+
+  argv = ["-m", "experiments.disco_latency", ROLE_FLAG]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {
+    "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    "DISCO_LATENCY_SETTINGS": json.dumps(settings),
+  }
+  outputs = launch(argv, 2, 1, env=env, timeout=1800)
+  for line in outputs[0].splitlines():
+    if line.startswith(RESULT):
+      print(line, flush=True)
+
+
+def namespace_command(rate_mbit: float, command: str) -> list[str]:
+  """`command` in a new network namespace with loopback throttled.
+
+  Example:
+    >>> namespace_command(100, "true")[:2]
+    ['unshare', '--net']
+  """
+  setup = (
+    "ip link set lo mtu 1500 && ip link set lo up && "
+    f"tc qdisc add dev lo root tbf rate {rate_mbit:g}mbit burst 64kb "
+    "latency 50ms"
+  )
+  return ["unshare", "--net", "sh", "-c", f"{setup} && {command}"]
+
+
+def check_link_permitted() -> str | None:
+  """None when a throttled namespace can be made here, else why not."""
+  missing = [t for t in ("unshare", "tc", "ip") if shutil.which(t) is None]
+  if missing:
+    return f"{', '.join(missing)} not found"
+  probe = subprocess.run(
+    namespace_command(100, "true"), capture_output=True, text=True, timeout=60
+  )
+  if probe.returncode != 0:
+    return probe.stderr.strip() or f"exit status {probe.returncode}"
+  return None
+
+
+def predict(row: dict, rate_mbit: float, settings: dict) -> dict:
+  """The latency model's dense and DISCO milliseconds for `row`'s link.
+
+  Example:
+    >>> row = {"model": "resnet", "batch": 1, "one_device_ms": 1.0}
+    >>> settings = {"comm_ratio": 0.2, "message_latency": 1e-4}
+    >>> p = predict(row, 100, settings)
+    >>> p["predicted_disco_ms"] < p["predicted_dense_ms"]
+    True
+  """
+  from disco import metrics
+
+  def report(keep):
+    model = build(row["model"], keep, settings["comm_ratio"])
+    config = model.config
+    size = config.image_size
+    shape = (row["batch"], size, size, config.in_channels)
+    return metrics.count(model, input_shape=shape)
+
+  dense, disco = report(True), report(None)
+  link = metrics.LatencyModel(
+    flops_per_second=dense.flops / (row["one_device_ms"] / 1e3),
+    bytes_per_second=rate_mbit * 1e6 / 8,
+    message_latency=settings["message_latency"],
+    shared=True,
+  )
+  return {
+    "predicted_dense_ms": 1e3 * link.latency(dense),
+    "predicted_disco_ms": 1e3 * link.latency(disco),
+  }
+
+
+def main(argv):
+  common.start(argv)
+  f = flags.FLAGS
+  if f.role == "node":
+    return _node(json.loads(os.environ["DISCO_LATENCY_SETTINGS"]))
+  settings = {
+    "models": [m for m in f.models.split(",") if m],
+    "batch": f.batch,
+    "repeats": f.repeats,
+    "comm_ratio": f.comm_ratio,
+    "message_latency": f.message_latency,
+  }
+  if f.role == "link":
+    return _link(settings)
+  if not f.out:
+    raise app.UsageError("--out is required")
+  unknown = sorted(set(settings["models"]) - set(MODELS))
+  if unknown:
+    sys.exit(f"disco_latency: error: unknown models {unknown}: use {MODELS}")
+  why = check_link_permitted()
+  if why is not None:
+    sys.exit(
+      "disco_latency: error: cannot make a bandwidth-limited link here "
+      "(needs `unshare --net` and `tc`, i.e. root or CAP_NET_ADMIN): "
+      f"{why}"
+    )
+  started = time.perf_counter()
+  links = []
+  rates = [float(r) for r in f.rates.split(",")]
+  progress = common.Progress(len(rates), "link rate")
+  for rate in rates:
+    command = (
+      f"{sys.executable} -m experiments.disco_latency --role=link "
+      f"--models={f.models} --batch={f.batch} --repeats={f.repeats} "
+      f"--comm_ratio={f.comm_ratio} --message_latency={f.message_latency}"
+    )
+    done = subprocess.run(
+      namespace_command(rate, command),
+      capture_output=True,
+      text=True,
+      timeout=3600,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    lines = [x for x in done.stdout.splitlines() if x.startswith(RESULT)]
+    if done.returncode != 0 or not lines:
+      sys.exit(
+        f"disco_latency: error: the run at {rate:g} Mbit/s failed:\n"
+        f"{(done.stdout + done.stderr)[-3000:]}"
+      )
+    for row in json.loads(lines[-1][len(RESULT) :]):
+      row = {"rate_mbit": rate, **row, **predict(row, rate, settings)}
+      row["dense_over_disco"] = row["dense_ms"] / row["disco_ms"]
+      links.append(row)
+      common.log(
+        f"{rate:g} Mbit/s {row['model']} batch {row['batch']}: one device "
+        f"{row['one_device_ms']:.2f} ms, dense {row['dense_ms']:.2f} ms "
+        f"(model {row['predicted_dense_ms']:.2f}), DISCO "
+        f"{row['disco_ms']:.2f} ms (model {row['predicted_disco_ms']:.2f})"
+      )
+    progress.step(f"{rate:g} Mbit/s")
+  results = {
+    "links": links,
+    "settings": settings,
+    "definitions": {
+      "*_ms": "median milliseconds of one call (the whole batch)",
+      "predicted_*": "disco.metrics.LatencyModel, shared link at rate_mbit, "
+      "compute rate calibrated on one_device_ms",
+      "*_bytes": "bytes the compiled program sends per call",
+    },
+    "wall_seconds": round(time.perf_counter() - started, 1),
+    "load_average": os.getloadavg(),
+  }
+  path = common.write_results(f.out, results)
+  common.log(f"wrote {path}")
+  for row in links:
+    print(json.dumps(row))
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(main)

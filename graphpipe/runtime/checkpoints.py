@@ -1,0 +1,146 @@
+"""Checkpoints of a `Trainer`'s state that a crash cannot pass off as whole.
+
+A checkpoint is a folder: `state/` (orbax, sharded arrays; every process
+writes its shards) and `layout.json` (the plan's signature and the step),
+written last, by process 0, with an atomic rename: it is the commit mark.
+A folder without it is a save that did not finish (or no checkpoint) and
+`restore` refuses it; `save` removes the mark before it overwrites
+anything, so a crash while overwriting a checkpoint cannot leave an old
+mark over new, partial arrays. `latest` finds the newest committed
+checkpoint among the folders of a directory, skipping unfinished ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+
+from graphpipe.errors import PipelineRuntimeError, ProcessLostError
+from graphpipe.runtime import faults
+
+MARK = "layout.json"
+STATE = "state"
+
+
+def save(trainer, state, directory: str) -> None:
+  """Writes `state` to `directory`; see `Trainer.save`."""
+  import orbax.checkpoint as ocp
+
+  directory = os.path.abspath(directory)
+  mark = os.path.join(directory, MARK)
+  step = int(np.asarray(state.step.addressable_shards[0].data))
+  if jax.process_index() == 0:
+    os.makedirs(directory, exist_ok=True)
+    if os.path.exists(mark):
+      os.remove(mark)
+  try:
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(directory, STATE), state, force=True)
+    if faults.armed("save") == step:
+      faults.die()
+    checkpointer.wait_until_finished()
+  except Exception as err:  # orbax's barriers fail in several ways
+    if jax.process_count() == 1:
+      raise
+    raise ProcessLostError(
+      f"process {jax.process_index()} of {jax.process_count()}: the save "
+      f"to {directory} did not finish ({type(err).__name__}: "
+      f"{str(err)[:200]}), so another process of the run died or cannot be "
+      "reached; the folder is left uncommitted"
+    ) from None
+  if jax.process_index() == 0:
+    partial = mark + ".partial"
+    with open(partial, "w") as f:
+      json.dump({"signature": trainer._signature(), "step": step}, f)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(partial, mark)
+
+
+def read_mark(directory: str) -> dict | None:
+  """The commit mark of a checkpoint folder; None if it has none."""
+  try:
+    with open(os.path.join(directory, MARK)) as f:
+      mark = json.load(f)
+  except FileNotFoundError:
+    return None
+  except (OSError, ValueError) as err:
+    raise PipelineRuntimeError(
+      f"{directory}/{MARK} is unreadable ({err}): the checkpoint is damaged"
+    ) from None
+  if (
+    not isinstance(mark, dict)
+    or not isinstance(mark.get("signature"), dict)
+    or not isinstance(mark.get("step"), int)
+  ):
+    raise PipelineRuntimeError(
+      f"{directory}/{MARK} is not a graphpipe checkpoint mark (edited, or "
+      "written by another version)"
+    )
+  return mark
+
+
+def restore(trainer, directory: str):
+  """Reads a state written by `save`; see `Trainer.restore`."""
+  import orbax.checkpoint as ocp
+
+  directory = os.path.abspath(directory)
+  mark = read_mark(directory)
+  if mark is None:
+    raise PipelineRuntimeError(
+      f"{directory} holds no complete graphpipe checkpoint (no {MARK}: not "
+      "a checkpoint, or its save did not finish); use "
+      "graphpipe.runtime.checkpoints.latest to find the last complete one"
+    )
+  if mark["signature"] != trainer._signature():
+    raise PipelineRuntimeError(
+      "this checkpoint was written for another plan or graph "
+      f"(saved {mark['signature']}, this trainer {trainer._signature()})"
+    )
+  try:
+    state = ocp.StandardCheckpointer().restore(
+      os.path.join(directory, STATE), trainer._abstract_state()
+    )
+  except Exception as err:  # orbax and tensorstore raise many kinds
+    raise PipelineRuntimeError(
+      f"{directory}: the saved arrays cannot be read ({type(err).__name__}: "
+      f"{str(err)[:300]}); the checkpoint is damaged"
+    ) from None
+  if int(np.asarray(state.step.addressable_shards[0].data)) != mark["step"]:
+    raise PipelineRuntimeError(
+      f"{directory}: the arrays are of step "
+      f"{int(np.asarray(state.step.addressable_shards[0].data))}, the mark "
+      f"says {mark['step']}: the checkpoint is damaged"
+    )
+  return state
+
+
+def latest(root: str) -> str | None:
+  """The committed checkpoint of highest step among the folders of `root`.
+
+  Folders without a commit mark (saves that did not finish, other files)
+  are skipped; None when there is none (or `root` does not exist).
+
+  Example:
+    >>> latest("/nonexistent") is None
+    True
+  """
+  best, best_step = None, -1
+  try:
+    names = sorted(os.listdir(root))
+  except FileNotFoundError:
+    return None
+  for name in names:
+    path = os.path.join(root, name)
+    if not os.path.isdir(path):
+      continue
+    try:
+      mark = read_mark(path)
+    except PipelineRuntimeError:
+      continue
+    if mark is not None and mark["step"] > best_step:
+      best, best_step = path, mark["step"]
+  return best

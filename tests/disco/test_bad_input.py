@@ -1,0 +1,412 @@
+"""Bad input to every public disco entry point: each row of BUILD.md's
+table ("Bad input, everywhere") is one case here: the DISCO layers,
+pruning, the loaders, checkpoints, cost counting and distributed
+inference. Each asserts disco's own error class and a message that says
+what to fix, or (NaN inputs) the documented propagation.
+"""
+
+import json
+import os
+import pickle
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from disco import checkpoint, data, distributed, metrics, prune
+from disco.errors import (
+  CheckpointError,
+  ConfigError,
+  DataError,
+  DistributedError,
+  InputError,
+  PartitionError,
+  PruneError,
+)
+from disco.layers import DiscoConv, DiscoDense
+from disco.models import ResNet, ResNetConfig
+
+
+def dense():
+  return DiscoDense(8, 4, num_nodes=2, rngs=nnx.Rngs(0))
+
+
+def conv():
+  return DiscoConv(8, 16, 3, num_nodes=2, rngs=nnx.Rngs(0))
+
+
+class Evil:
+  def __reduce__(self):
+    return (os.system, ("echo tampered",))
+
+
+class Ctx:
+  def __init__(self, folder):
+    self.folder = str(folder)
+    self.model = ResNet(ResNetConfig(num_nodes=2), rngs=nnx.Rngs(0))
+    self.saved = os.path.join(self.folder, "ckpt")
+    checkpoint.save(self.model, self.saved)
+
+  def copy(self, name, edit_config=None, edit_arrays=None):
+    """A copy of the saved checkpoint with its files edited."""
+    out = os.path.join(self.folder, name)
+    os.makedirs(out, exist_ok=True)
+    for file in (checkpoint.CONFIG_FILE, checkpoint.ARRAYS_FILE):
+      with open(os.path.join(self.saved, file), "rb") as f:
+        raw = f.read()
+      edit = edit_config if file == checkpoint.CONFIG_FILE else edit_arrays
+      with open(os.path.join(out, file), "wb") as f:
+        f.write(edit(raw) if edit else raw)
+    return out
+
+  def pickle_file(self, name, obj):
+    path = os.path.join(self.folder, name)
+    with open(path, "wb") as f:
+      pickle.dump(obj, f, protocol=2)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ctx(tmp_path_factory):
+  return Ctx(tmp_path_factory.mktemp("disco_bad_input"))
+
+
+def config_field(field, value):
+  def edit(raw):
+    header = json.loads(raw)
+    header["config"][field] = value
+    return json.dumps(header).encode()
+
+  return edit
+
+
+def half(raw):
+  return raw[: len(raw) // 2]
+
+
+def flip_middle(raw):
+  flipped = bytearray(raw)
+  for i in range(len(raw) // 2, len(raw) // 2 + 64):
+    flipped[i] ^= 0xFF
+  return bytes(flipped)
+
+
+ROWS = [
+  # DiscoDense / DiscoConv
+  (
+    "dense-no-input-channels",
+    lambda c: DiscoDense(0, 4, num_nodes=2, rngs=nnx.Rngs(0)),
+    PartitionError,
+    "cannot split 0 input channels",
+  ),
+  (
+    "dense-zero-nodes",
+    lambda c: DiscoDense(8, 4, num_nodes=0, rngs=nnx.Rngs(0)),
+    PartitionError,
+    "num_nodes must be at least 1",
+  ),
+  (
+    "dense-more-nodes-than-channels",
+    lambda c: DiscoDense(2, 4, num_nodes=4, rngs=nnx.Rngs(0)),
+    PartitionError,
+    "use fewer nodes or a wider layer",
+  ),
+  (
+    "dense-split-not-covering",
+    lambda c: DiscoDense(8, 4, num_nodes=2, in_split=(3, 3), rngs=nnx.Rngs(0)),
+    PartitionError,
+    "does not cover 8 channels",
+  ),
+  (
+    "dense-negative-split",
+    lambda c: DiscoDense(
+      8, 4, num_nodes=2, in_split=(10, -2), rngs=nnx.Rngs(0)
+    ),
+    PartitionError,
+    "at least 1 for every node",
+  ),
+  (
+    "dense-input-wrong-width",
+    lambda c: dense()(jnp.ones((3, 7))),
+    InputError,
+    r"C = 8, got \(3, 7\)",
+  ),
+  (
+    "dense-input-scalar",
+    lambda c: dense()(jnp.float32(1)),
+    InputError,
+    "takes inputs of shape",
+  ),
+  (
+    "conv-kernel-0",
+    lambda c: DiscoConv(8, 16, 0, num_nodes=2, rngs=nnx.Rngs(0)),
+    ConfigError,
+    "kernel size and strides must be at least 1",
+  ),
+  (
+    "conv-strides-0",
+    lambda c: DiscoConv(8, 16, 3, strides=0, num_nodes=2, rngs=nnx.Rngs(0)),
+    ConfigError,
+    "at least 1",
+  ),
+  (
+    "conv-input-not-nhwc",
+    lambda c: conv()(jnp.ones((8, 8, 8))),
+    InputError,
+    r"\(batch, height, width, C\)",
+  ),
+  (
+    "conv-input-wrong-channels",
+    lambda c: conv()(jnp.ones((1, 8, 8, 3))),
+    InputError,
+    "C = 8",
+  ),
+  (
+    "model-config-zero-nodes",
+    lambda c: ResNet(ResNetConfig(num_nodes=0), rngs=nnx.Rngs(0)),
+    PartitionError,
+    "num_nodes must be at least 1",
+  ),
+  # disco.prune
+  *[
+    (
+      f"prune-ratio-{name}",
+      lambda c, r=ratio: prune.to_ratio(dense(), r),
+      PruneError,
+      r"must be in \[0, 1\]",
+    )
+    for name, ratio in [("negative", -0.1), ("above-1", 1.5), ("nan", np.nan)]
+  ],
+  (
+    "prune-budget-unknown",
+    lambda c: prune.to_ratio(dense(), 0.5, budget="bogus"),
+    PruneError,
+    "budget must be one of",
+  ),
+  (
+    "prune-selection-unknown",
+    lambda c: prune.to_ratio(dense(), 0.5, selection="bogus"),
+    PruneError,
+    "selection one of",
+  ),
+  (
+    "prune-model-without-disco-layers",
+    lambda c: prune.to_ratio(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), 0.5),
+    PruneError,
+    "no DISCO layers",
+  ),
+  (
+    "prune-schedule-zero-steps",
+    lambda c: prune.GradualSchedule(0.5, 0),
+    PruneError,
+    "at least 1",
+  ),
+  # disco.data
+  (
+    "digits-image-size-0",
+    lambda c: data.digits(image_size=0),
+    DataError,
+    "image_size >= 1",
+  ),
+  (
+    "digits-test-fraction-above-1",
+    lambda c: data.digits(test_fraction=1.5),
+    DataError,
+    r"test_fraction in \(0, 1\)",
+  ),
+  (
+    "synthetic-zero-classes",
+    lambda c: data.synthetic(num_classes=0),
+    DataError,
+    "of at least 1",
+  ),
+  (
+    "synthetic-zero-train",
+    lambda c: data.synthetic(train=0),
+    DataError,
+    "of at least 1",
+  ),
+  (
+    "cifar10-missing-folder",
+    lambda c: data.cifar10(os.path.join(c.folder, "none")),
+    DataError,
+    "is not a CIFAR-10 python folder",
+  ),
+  (
+    "cifar10-truncated-batch",
+    lambda c: data.read_cifar10_batch(
+      _write(c, "truncated", b"\x80\x02garbage")
+    ),
+    DataError,
+    "is not a valid pickle",
+  ),
+  (
+    "cifar10-tampered-pickle",
+    lambda c: data.read_cifar10_batch(c.pickle_file("evil", Evil())),
+    DataError,
+    "refusing to load posix.system",
+  ),
+  (
+    "cifar10-wrong-array-shape",
+    lambda c: data.read_cifar10_batch(
+      c.pickle_file(
+        "shape", {b"data": np.zeros((2, 5), np.uint8), b"labels": [1, 2]}
+      )
+    ),
+    DataError,
+    r"uint8 array of shape \(n, 3072\)",
+  ),
+  (
+    "cifar10-label-out-of-range",
+    lambda c: data.read_cifar10_batch(
+      c.pickle_file(
+        "labels", {b"data": np.zeros((2, 3072), np.uint8), b"labels": [1, 99]}
+      )
+    ),
+    DataError,
+    r"ints in 0\.\.9",
+  ),
+  (
+    "cifar10-label-count-mismatch",
+    lambda c: data.read_cifar10_batch(
+      c.pickle_file(
+        "count", {b"data": np.zeros((2, 3072), np.uint8), b"labels": [1]}
+      )
+    ),
+    DataError,
+    "a list of 2 ints",
+  ),
+  # disco.checkpoint
+  (
+    "checkpoint-missing",
+    lambda c: checkpoint.load(os.path.join(c.folder, "none")),
+    CheckpointError,
+    "is not a disco checkpoint",
+  ),
+  (
+    "checkpoint-truncated-config",
+    lambda c: checkpoint.load(c.copy("c1", edit_config=half)),
+    CheckpointError,
+    "cannot read config.json",
+  ),
+  (
+    "checkpoint-truncated-arrays",
+    lambda c: checkpoint.load(c.copy("c2", edit_arrays=half)),
+    CheckpointError,
+    "unreadable arrays",
+  ),
+  (
+    "checkpoint-flipped-array-bytes",
+    lambda c: checkpoint.load(c.copy("c3", edit_arrays=flip_middle)),
+    CheckpointError,
+    "unreadable arrays .*CRC",
+  ),
+  (
+    "checkpoint-edited-num-nodes",
+    lambda c: checkpoint.load(
+      c.copy("c4", edit_config=config_field("num_nodes", 4))
+    ),
+    CheckpointError,
+    "the architecture needs bool",
+  ),
+  (
+    "checkpoint-edited-num-nodes-type",
+    lambda c: checkpoint.load(
+      c.copy("c5", edit_config=config_field("num_nodes", "two"))
+    ),
+    CheckpointError,
+    "the recorded config does not build a resnet",
+  ),
+  (
+    "checkpoint-edited-num-nodes-negative",
+    lambda c: checkpoint.load(
+      c.copy("c6", edit_config=config_field("num_nodes", -1))
+    ),
+    CheckpointError,
+    "the recorded config does not build",
+  ),
+  (
+    "checkpoint-edited-unknown-field",
+    lambda c: checkpoint.load(
+      c.copy("c7", edit_config=config_field("depth", 3))
+    ),
+    CheckpointError,
+    "does not match ResNetConfig",
+  ),
+  (
+    "checkpoint-of-another-model",
+    lambda c: checkpoint.load(c.saved, expect="vit"),
+    CheckpointError,
+    "holds a resnet, not a vit",
+  ),
+  (
+    "checkpoint-of-another-config",
+    lambda c: checkpoint.load(c.saved, expect=ResNetConfig(num_nodes=4)),
+    CheckpointError,
+    "not ResNetConfig",
+  ),
+  # disco.metrics / disco.distributed
+  (
+    "metrics-input-not-an-image",
+    lambda c: metrics.count(c.model, (7, 7, 5)),
+    InputError,
+    "C = ",
+  ),
+  (
+    "node-mesh-zero-nodes",
+    lambda c: distributed.node_mesh(0),
+    DistributedError,
+    "at least 1",
+  ),
+  (
+    "node-mesh-more-nodes-than-devices",
+    lambda c: distributed.node_mesh(64),
+    DistributedError,
+    "64 nodes need 64 devices, 8 found",
+  ),
+  (
+    "distribute-mesh-of-another-size",
+    lambda c: distributed.distribute(c.model, distributed.node_mesh(3)),
+    DistributedError,
+    "needs a 'node' axis of size 2",
+  ),
+  (
+    "distributed-call-wrong-shape",
+    lambda c: distributed.distribute(c.model)(
+      np.ones((2, 8, 8, 1), np.float32)
+    ),
+    DistributedError,
+    r"expected images of shape \(batch, 16, 16, 1\)",
+  ),
+]
+
+
+def _write(c, name, raw):
+  path = os.path.join(c.folder, name)
+  with open(path, "wb") as f:
+    f.write(raw)
+  return path
+
+
+@pytest.mark.parametrize(
+  "case, error, pattern", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS]
+)
+def test_bad_input_is_refused_clearly(ctx, case, error, pattern):
+  with pytest.raises(error, match=pattern):
+    case(ctx)
+
+
+def test_row_ids_are_unique():
+  ids = [r[0] for r in ROWS]
+  assert len(ids) == len(set(ids))
+
+
+def test_nan_inputs_propagate_as_documented():
+  """A NaN input is not refused (a per-call check would cost a pass over
+  the input): the outputs it reaches are NaN, the others are untouched."""
+  layer = dense()
+  x = np.ones((3, 8), np.float32)
+  x[1] = np.nan
+  y = np.asarray(layer(jnp.asarray(x)))
+  assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()

@@ -1,0 +1,139 @@
+"""Super-resolution, segmentation and detection: models, data, metrics.
+
+Distributed inference of every new model (pixel shuffle, atrous convs,
+ASPP and the decoder's concatenations, the detection heads) must equal the
+single-device masked model within 1e-5, with the compiled program's bytes
+equal to the masks' count. Sizes are tiny: each case compiles in seconds.
+"""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from disco import data, detection, distributed, metrics, prune, scenes, tasks
+from disco.errors import DataError
+from disco.models import SSD, DeepLab, SegConfig, SRConfig, SRNet, SSDConfig
+from tests.disco.distributed_worker import with_random_batch_norm
+from tests.disco.util import normal
+
+CASES = {
+  "sr_x2": lambda: SRNet(
+    SRConfig(scale=2, width=8, growth=4, dense_layers=3, image_size=8),
+    rngs=nnx.Rngs(1),
+  ),
+  "sr_x4_3nodes": lambda: SRNet(
+    SRConfig(
+      num_nodes=3,
+      scale=4,
+      width=6,
+      growth=3,
+      dense_blocks=2,
+      dense_layers=2,
+      image_size=6,
+    ),
+    rngs=nnx.Rngs(2),
+  ),
+  "deeplab": lambda: DeepLab(
+    SegConfig(width=8, image_size=16), rngs=nnx.Rngs(3)
+  ),
+  "ssd": lambda: SSD(SSDConfig(width=8, image_size=16), rngs=nnx.Rngs(4)),
+}
+
+
+@pytest.mark.parametrize("ratio", [0.3, 0.0])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_distributed_equals_the_masked_model_and_its_byte_count(name, ratio):
+  model = CASES[name]()
+  with_random_batch_norm(model, 5)
+  if isinstance(model, SRNet):  # its last conv starts at zero
+    model.last.kernel[...] = normal(6, model.last.kernel.shape)
+  prune.to_ratio(model, ratio, selection="random", seed=1)
+  model.eval()
+  run = distributed.distribute(model)
+  size, _, channels = run.image_shape
+  images = normal(0, (2, size, size, channels))
+  expected = np.asarray(model(images))
+  np.testing.assert_allclose(run(images), expected, atol=1e-5, rtol=0)
+  report = metrics.count(model)
+  assert run.bytes_per_inference() == report.bytes_sent
+  # With no communication only the outputs cross (to node 0).
+  gathers = sum(c.bytes_sent for c in report.layers if c.kind == "gather")
+  assert gathers > 0 and (report.bytes_sent == gathers) == (ratio == 0.0)
+
+
+def test_shape_scenes_have_exact_masks_and_boxes():
+  images, classes, boxes = scenes.shape_scenes(12, size=24, seed=3)
+  assert images.min() >= 0 and images.max() <= 1
+  for scene in range(12):
+    rows = boxes[scene][boxes[scene, :, 0] >= 0]
+    assert len(rows) >= 1
+    covered = np.zeros((24, 24), bool)
+    for cls, top, left, bottom, right in rows.astype(int):
+      inside = classes[scene, top:bottom, left:right] == cls
+      assert inside.any(axis=1).all() and inside.any(axis=0).all()
+      covered[top:bottom, left:right] = True
+    assert not (classes[scene] > 0)[~covered].any()
+
+
+def test_the_dataset_picker_checks_its_task():
+  with pytest.raises(DataError, match="no dataset 'digits' for task"):
+    data.load("segment", "digits")
+  seg = data.load("segment", "shapes", scene_size=16, scenes=8)
+  assert seg.y_train.shape == (6, 16, 16) and seg.num_classes == 5
+  validation = data.holdout(seg, 0.5)
+  assert len(validation.x_train) == len(validation.x_test) == 3
+
+
+def test_detection_matching_loss_and_map():
+  priors = detection.default_boxes((4, 2, 1), 16)
+  assert priors.shape == (3 * (16 + 4 + 1), 4)
+  truth = np.array([[[2, 2, 3, 9, 8], [-1, 0, 0, 0, 0]]], np.float32)
+  classes, offsets = detection.match(truth[0], priors)
+  positive = np.flatnonzero(np.asarray(classes))
+  assert len(positive) >= 1 and set(np.asarray(classes)[positive]) == {2}
+  # Perfect outputs (the matched offsets, confident classes) decode to the
+  # box, score a lower loss than zeros, and reach mAP 1.
+  logits = np.where(np.eye(3)[np.asarray(classes)] > 0, 8.0, -8.0)
+  perfect = np.concatenate([logits, np.asarray(offsets)], -1)[None]
+  zeros = np.zeros_like(perfect)
+  loss = detection.loss(perfect, truth, priors, 3)
+  assert float(loss) < float(detection.loss(zeros, truth, priors, 3))
+  decoded = np.asarray(detection.decode(perfect[0, :, 3:], priors))
+  np.testing.assert_allclose(decoded[positive[0]], truth[0, 0, 1:], atol=1e-3)
+  found = [detection.detect(perfect[0], priors, 3)]
+  assert detection.mean_average_precision(found, truth, 3) == 1.0
+  wrong = [[(1, score, box) for _, score, box in found[0]]]
+  assert detection.mean_average_precision(wrong, truth, 3) == 0.0
+
+
+def test_quality_metrics():
+  target = np.zeros((1, 4, 4, 3))
+  assert tasks.psnr(target + 0.01, target) == pytest.approx(40.0)
+  classes = np.array([[0, 0, 1, 2]])
+  assert tasks.mean_iou(classes, classes, 3) == 1.0
+  assert tasks.mean_iou(np.array([[0, 0, 1, 1]]), classes, 3) == pytest.approx(
+    (1 + 0.5 + 0) / 3
+  )
+  low = np.random.default_rng(0).random((2, 8, 8, 3)).astype(np.float32)
+  high = np.asarray(np.repeat(np.repeat(low, 2, 1), 2, 2))
+  baseline = tasks.bicubic_baseline(low, high, 2)
+  assert 15 < baseline["psnr"] < 40 and 0 < baseline["ssim"] < 1
+
+
+def test_latency_prediction_on_a_shared_link():
+  from experiments import disco_latency
+
+  settings = {"comm_ratio": 0.2, "message_latency": 1e-4}
+  row = {"model": "resnet", "batch": 64, "one_device_ms": 5.0}
+  slow = disco_latency.predict(row, 100, settings)
+  fast = disco_latency.predict(row, 10000, settings)
+  assert slow["predicted_disco_ms"] < slow["predicted_dense_ms"]
+  assert fast["predicted_dense_ms"] < slow["predicted_dense_ms"]
+  # On a shared link both nodes' bytes queue on one bucket: slower than
+  # each node on its own link, never more than twice (two senders).
+  model = disco_latency.build("resnet", True, 0.2)
+  report = metrics.count(model, input_shape=(64, 16, 16, 1))
+  own = metrics.LatencyModel(1e9, 100e6 / 8, 1e-4)
+  shared = metrics.LatencyModel(1e9, 100e6 / 8, 1e-4, shared=True)
+  assert own.latency(report) < shared.latency(report) < 2 * own.latency(report)
+  assert disco_latency.namespace_command(100, "true")[-1].endswith("&& true")

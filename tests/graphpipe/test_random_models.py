@@ -1,0 +1,118 @@
+"""Random models, captured, pipelined on 8 devices and trained exactly.
+
+Each model of `random_models` (DAGs of chains, fan-out, joins, skips,
+crossings, several inputs and loss heads; layers heavy in parameters next
+to layers heavy in activations) is captured, planned under the tightest
+memory that fits on 8 devices (`graphpipe.tightest_plan`, so it really
+pipelines), trained 2 steps by `graphpipe.Trainer`, and its losses and
+weights are compared with plain single-device optax training: equal within
+1e-5 (relative, see BUILD.md "Exactness"). The planners take turns across
+the models (each runs at least two); a few models are linen modules.
+
+GRAPHPIPE_RANDOM_MODELS=N runs N models (default 10), N // 5 of them linen.
+"""
+
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import graphpipe
+from tests.graphpipe import random_models as rm
+from tests.graphpipe import runtime_cases as rc
+
+NUM_MODELS = int(os.environ.get("GRAPHPIPE_RANDOM_MODELS", "10"))
+NUM_LINEN = max(1, NUM_MODELS // 5)
+BATCH = 8
+STEPS = 2
+OPTIMIZER = optax.sgd(0.1, momentum=0.9)
+
+
+def _plain_training(loss, params, batches):
+  """Losses and parameters after plain optax steps of `loss(params, b)`."""
+  opt_state = OPTIMIZER.init(params)
+
+  @jax.jit
+  def step(params, opt_state, batch):
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  losses = []
+  for batch in batches:
+    params, opt_state, value = step(params, opt_state, batch)
+    losses.append(float(value))
+  return losses, params
+
+
+def _pipelined(graph, planner, variables, batches):
+  graph = rm.with_shape_costs(graph)
+  plan = graphpipe.tightest_plan(graph, 8, BATCH, planner, rc.SLOW)
+  graphpipe.check_plan(plan, graph, float("inf"))
+  trainer = graphpipe.Trainer(plan, OPTIMIZER, graph=graph)
+  state = trainer.init(variables)
+  losses = []
+  for batch in batches:
+    state, metrics = trainer.step(state, batch)
+    losses.append(metrics["loss"])
+  return plan, losses, trainer.params(state)
+
+
+def _check(plan, graph, got, want):
+  (got_losses, got_params), (want_losses, want_params) = got, want
+  np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+  assert rc.max_rel_error(got_params, want_params) < 1e-5
+  # Tightest memory: more than one stage wherever two nodes hold weights.
+  weighted = sum(1 for v in graph.nodes if v.param_bytes)
+  assert plan.num_stages > 1 or weighted < 2, plan
+
+
+def _param_values(graph, variables):
+  values = graph.program.variable_values(variables)
+  return {k: v for k, v in values.items() if k.startswith("param:")}
+
+
+@pytest.mark.parametrize("seed", range(NUM_MODELS - NUM_LINEN))
+def test_random_nnx_model_trains_exactly(seed):
+  planner = graphpipe.PLANNERS[seed % len(graphpipe.PLANNERS)]
+  model = rm.build(seed)
+  spec = model.spec
+  batches = [rm.make_batch(spec, BATCH, seed=s) for s in range(STEPS)]
+  graph = graphpipe.capture(
+    rm.loss_fn, model, batches[0], granularity=2, costs=False
+  )
+  assert len(graph.nodes) >= len(spec.reads)  # a node per layer at least
+  plan, losses, params = _pipelined(graph, planner, model, batches)
+  graphdef, start, rest = nnx.split(model, nnx.Param, ...)
+  want_losses, trained = _plain_training(
+    lambda p, b: rm.loss_fn(nnx.merge(graphdef, p, rest), b), start, batches
+  )
+  want = _param_values(graph, nnx.merge(graphdef, trained, rest))
+  _check(plan, graph, (losses, params), (want_losses, want))
+
+
+@pytest.mark.parametrize("seed", range(100, 100 + NUM_LINEN))
+def test_random_linen_model_trains_exactly(seed):
+  planner = graphpipe.PLANNERS[seed % len(graphpipe.PLANNERS)]
+  module, variables = rm.build_linen(seed)
+  batches = [rm.make_batch(module.spec, BATCH, seed=s) for s in range(STEPS)]
+  graph = graphpipe.capture(
+    rm.loss_fn,
+    module,
+    batches[0],
+    variables=variables,
+    granularity=1,
+    costs=False,
+  )
+  assert len(graph.nodes) >= len(module.spec.reads)
+  plan, losses, params = _pipelined(graph, planner, variables, batches)
+  want_losses, trained = _plain_training(
+    lambda p, b: rm.loss_fn(module.bind({"params": p}), b),
+    variables["params"],
+    batches,
+  )
+  want = _param_values(graph, {"params": trained})
+  _check(plan, graph, (losses, params), (want_losses, want))

@@ -1,0 +1,199 @@
+"""Runtime options no zoo model exercises: recompute, summed losses,
+non-trainable variables, the schedule= and mesh= arguments, and a
+data-parallel stage whose replicas stay bit-identical."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+
+import graphpipe
+from graphpipe.core.stages import Plan, Stage, in_flight_counts
+
+BATCH = 8
+
+
+class Shifted(nnx.Module):
+  """A Linear plus a fixed random offset (a non-trainable variable)."""
+
+  def __init__(self, fan_in, width, rngs):
+    self.linear = nnx.Linear(fan_in, width, rngs=rngs)
+    self.offset = nnx.Variable(jax.random.normal(rngs.params(), (width,)))
+
+  def __call__(self, x):
+    return jnp.tanh(self.linear(x) + self.offset[...])
+
+
+class Branchy(nnx.Module):
+  """x -> two branches -> join -> head."""
+
+  def __init__(self, rngs):
+    self.left, self.right = Shifted(6, 8, rngs), Shifted(6, 4, rngs)
+    self.join = Shifted(12, 4, rngs)
+    self.head = nnx.Linear(4, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(
+      self.join(jnp.concatenate([self.left(x), self.right(x)], -1))
+    )
+
+
+def mean_loss(model, batch):
+  return jnp.mean((model(batch["x"])[:, 0] - batch["y"]) ** 2)
+
+
+def sum_loss(model, batch):
+  return jnp.sum((model(batch["x"])[:, 0] - batch["y"]) ** 2)
+
+
+def batch_of(seed):
+  rng = np.random.default_rng(seed)
+  return {
+    "x": rng.standard_normal((BATCH, 6), np.float32),
+    "y": rng.standard_normal((BATCH,), np.float32),
+  }
+
+
+def manual_plan(graph, groups, micro_batch=2):
+  """Stages of `groups` (node lists, device lists), 1F1B."""
+  owner = {v: i for i, (nodes, _) in enumerate(groups) for v in nodes}
+  edges = tuple(
+    sorted(
+      {
+        (owner[e.src], owner[e.dst])
+        for e in graph.edges
+        if owner[e.src] != owner[e.dst]
+      }
+    )
+  )
+  flight = in_flight_counts(len(groups), edges)
+  stages = tuple(
+    Stage(i, tuple(nodes), tuple(devices), micro_batch, flight[i])
+    for i, (nodes, devices) in enumerate(groups)
+  )
+  used = sum(len(d) for _, d in groups)
+  return Plan("manual", stages, edges, BATCH, used)
+
+
+def reference(model, loss_fn, batch, graph):
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  loss, grads = jax.value_and_grad(
+    lambda p: loss_fn(nnx.merge(graphdef, p, rest), batch)
+  )(params)
+  values = graph.program.variable_values(nnx.merge(graphdef, grads, rest))
+  return float(loss), {
+    k: v for k, v in values.items() if k.startswith("param:")
+  }
+
+
+def max_rel(got, want):
+  assert sorted(got) == sorted(want)
+  return max(
+    float(np.max(np.abs(np.asarray(got[k]) - np.asarray(want[k]))))
+    / (float(np.max(np.abs(np.asarray(want[k])))) + 1e-12)
+    for k in want
+  )
+
+
+@pytest.fixture(scope="module")
+def setup():
+  model = Branchy(nnx.Rngs(0))
+  graph = graphpipe.capture(mean_loss, model, batch_of(0), granularity=1)
+  names = [v.name for v in graph.nodes]
+  assert names[:3] == ["left", "right", "join"], names
+  assert sum(v.state_bytes for v in graph.nodes) > 0  # the offsets
+  # left | right | join + head: the branches side by side.
+  plan = manual_plan(graph, [([0], [0]), ([1], [1]), ([2, 3], [2])])
+  return model, graph, plan
+
+
+def check_exact(trainer, model, loss_fn, graph, seed=0):
+  batch = batch_of(seed)
+  loss, grads = trainer.loss_and_grads(trainer.init(model), batch)
+  want_loss, want = reference(model, loss_fn, batch, graph)
+  assert loss == pytest.approx(want_loss, rel=1e-5)
+  assert max_rel(grads, want) < 1e-5
+
+
+def test_recompute_is_exact_and_stashes_less(setup):
+  model, graph, plan = setup
+  sgd = optax.sgd(0.1)
+  recompute = graphpipe.Trainer(plan, sgd, graph=graph, recompute=True)
+  stash = graphpipe.Trainer(plan, sgd, graph=graph).buffers.stash_bytes()
+  assert recompute.buffers.stash_bytes() < stash
+  check_exact(recompute, model, mean_loss, graph)
+
+
+def test_summed_loss_with_loss_reduction_sum(setup):
+  model, _, _ = setup
+  graph = graphpipe.capture(sum_loss, model, batch_of(0), granularity=1)
+  plan = manual_plan(graph, [([0], [0]), ([1], [1]), ([2, 3], [2])])
+  trainer = graphpipe.Trainer(
+    plan, optax.sgd(0.1), graph=graph, loss_reduction="sum"
+  )
+  check_exact(trainer, model, sum_loss, graph)
+
+
+def test_non_trainable_variables_are_read_and_kept(setup):
+  model, graph, plan = setup
+  trainer = graphpipe.Trainer(plan, optax.sgd(0.1), graph=graph)
+  state = trainer.init(model)
+  before = [np.asarray(x) for x in state.state]
+  assert sum(x.size for x in before) >= 8 + 4 + 4  # every offset is held
+  state, _ = trainer.step(state, batch_of(0))
+  for a, b in zip(before, state.state, strict=True):
+    np.testing.assert_array_equal(a, np.asarray(b))
+  # The offsets enter the loss: a zero offset would give another loss.
+  check_exact(trainer, model, mean_loss, graph, seed=1)
+
+
+def test_schedule_and_mesh_arguments(setup):
+  model, graph, plan = setup
+  gpipe = graphpipe.schedule_for(plan, "gpipe")
+  given = graphpipe.Trainer(plan, optax.sgd(0.1), graph=graph, schedule=gpipe)
+  assert given.schedule is gpipe
+  by_name = graphpipe.Trainer(
+    plan, optax.sgd(0.1), graph=graph, schedule="gpipe"
+  )
+  assert by_name.schedule.kind == "gpipe" and by_name.schedule == gpipe
+  assert (
+    by_name.buffers.stash_bytes()
+    > graphpipe.Trainer(plan, optax.sgd(0.1), graph=graph).buffers.stash_bytes()
+  )
+  # The last three devices, backwards: stage 0 runs on device 7.
+  devices = jax.devices()[::-1][:3]
+  trainer = graphpipe.Trainer(
+    plan,
+    optax.sgd(0.1),
+    Mesh(np.asarray(devices), ("pipe",)),
+    graph=graph,
+    schedule="gpipe",
+  )
+  state = trainer.init(model)
+  assert list(state.params[0].sharding.mesh.devices) == devices
+  check_exact(trainer, model, mean_loss, graph)
+
+
+def test_data_parallel_stage_replicas_stay_bit_identical(setup):
+  model, graph, _ = setup
+  # The branches on two devices each, the join and head on two more.
+  plan = manual_plan(
+    graph, [([0], [0, 1]), ([1], [2, 3]), ([2, 3], [4, 5])], micro_batch=4
+  )
+  assert all(len(s.devices) == 2 for s in plan.stages)
+  trainer = graphpipe.Trainer(plan, optax.adam(1e-2), graph=graph)
+  check_exact(trainer, model, mean_loss, graph)
+  state = trainer.init(model)
+  for step in range(3):
+    state, _ = trainer.step(state, batch_of(step))
+  rows = [
+    np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state))
+  ]
+  for s in plan.stages:
+    first, second = s.devices
+    for x in rows:
+      if x.ndim and x.shape[0] == plan.num_devices:
+        np.testing.assert_array_equal(x[first], x[second])
