@@ -60,11 +60,11 @@ from graphpipe.planning.stage_costs import (
   StageCosts,
   estimate_iteration_time,
 )
+from graphpipe.simulator.engine import simulate
 
 __all__ = [
   "PLANNERS",
   "plan",
-  "plan_and_simulate",
   "tightest_plan",
 ]
 
