@@ -125,14 +125,16 @@ class Trainer:
         "the trainer needs the captured graph the plan was made for: "
         "Trainer(plan, optimizer, graph=graphpipe.capture(...))"
       )
-    _check_fingerprint(plan, graph)
+    guards.check_fingerprint(plan, graph)
     self.plan, self.graph, self.optimizer = plan, graph, optimizer
     self.stop_on_nan = stop_on_nan
     if schedule is None or isinstance(schedule, str):
       schedule = schedule_for(plan, schedule)
     check_schedule(schedule)
     self.schedule = schedule
-    self.mesh = mesh if mesh is not None else _default_mesh(plan.num_devices)
+    self.mesh = (
+      mesh if mesh is not None else guards.default_mesh(plan.num_devices, AXIS)
+    )
     if self.mesh.devices.size < plan.num_devices:
       raise PipelineRuntimeError(
         f"the plan uses {plan.num_devices} devices but the mesh has "
@@ -482,26 +484,3 @@ def _key(k) -> str:
 
 def _first_shard(x):
   return np.asarray(x.addressable_shards[0].data)
-
-
-def _default_mesh(num_devices: int) -> Mesh:
-  devices = jax.devices()
-  if len(devices) < num_devices:
-    raise PipelineRuntimeError(
-      f"the plan needs {num_devices} devices, JAX sees {len(devices)}: on "
-      "CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
-      "importing jax"
-    )
-  return Mesh(np.asarray(devices[:num_devices]), (AXIS,))
-
-
-def _check_fingerprint(plan: Plan, graph: OpGraph):
-  if not plan.graph_fingerprint:
-    return
-  from graphpipe.core.fingerprint import graph_fingerprint
-
-  if plan.graph_fingerprint != graph_fingerprint(graph):
-    raise PipelineRuntimeError(
-      "this plan was made for another graph (fingerprints differ): plan "
-      "the captured graph you train"
-    )
