@@ -100,14 +100,19 @@ def plan(
     >>> graph = capture_zoo("two_branch", "paper")   # the case study
     >>> p = plan(graph, num_devices=8, batch_size=8)
     >>> print(p)                  # stages, devices, micro-batch, in flight
-    Plan[graphpipe] 3 stages, depth 2, b=4 x 2 micro-batches, 8 devices,
+    Plan[graphpipe] 8 stages, depth 5, b=1 x 8 micro-batches, 8 devices,
     schedule 1f1b
-      stage 0: nodes [0, 1, 2] on devices [4, 5], b=4, in flight 2
-      stage 1: nodes [4, 5, 6, 7] on devices [0, 1, 2, 3], b=4, in flight 2
-      stage 2: nodes [3, 8] on devices [6, 7], b=4, in flight 1
-      edges: [(0, 2), (1, 2)]
+      stage 0: nodes [0] on devices [0], b=1, in flight 4
+      stage 1: nodes [1] on devices [1], b=1, in flight 3
+      stage 2: nodes [2] on devices [2], b=1, in flight 2
+      stage 3: nodes [4] on devices [3], b=1, in flight 5
+      stage 4: nodes [5] on devices [4], b=1, in flight 4
+      stage 5: nodes [6] on devices [5], b=1, in flight 3
+      stage 6: nodes [7] on devices [6], b=1, in flight 2
+      stage 7: nodes [3, 8] on devices [7], b=1, in flight 1
+      edges: [(0, 1), (1, 2), (2, 7), (3, 4), (4, 5), (5, 6), (6, 7)]
     >>> p.depth, plan(graph, 8, 8, planner="sequential").depth
-    (2, 8)
+    (5, 2)
 
   Args:
     graph: the operator graph (captured or loaded from JSON).
@@ -274,7 +279,11 @@ def _search(
   for b in sizes:
     for part in partition(b):
       if part.schedule == "1f1b":
-        part = spend_spare_devices(graph, part, costs)
+        spent = spend_spare_devices(graph, part, costs)
+        # Replicas hold their gradient sums: the partition as the DP gave
+        # it (spare devices idle) may fit where the spent one does not.
+        if evaluate(spent) is not None:
+          continue
       evaluate(part)
   ranked = sorted(
     ((c[:3], part) for part, c in candidates.items() if c is not None),

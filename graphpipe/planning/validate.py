@@ -27,7 +27,7 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
     >>> graph = capture_zoo("two_branch", "paper")
     >>> p = graphpipe.plan(graph, num_devices=8, batch_size=8)
     >>> check_plan(p, graph, memory_bytes=16e9)   # passes silently
-    >>> check_plan(p, graph, memory_bytes=2**30)    # 1 GiB: the branches
+    >>> check_plan(p, graph, memory_bytes=0.1 * 2**30)    # 0.1 GiB
     Traceback (most recent call last):
     ...
     graphpipe.errors.PlanError: invalid plan: device 0 (stage 0) holds 0.758
