@@ -75,5 +75,10 @@ def test_bench_runtime_smoke(tmp_path):
     tmp_path,
   )
   assert results["depth"] == {"graphpipe": 1, "sequential": 2}
-  for key in ("measured_ratio", "predicted_ratio"):
-    assert results[key] > 0
+  # The same two stages, chained or not: in lock-step the chain can only
+  # be slower. Measured times at this toy size are noise, so only sane.
+  predicted = results["predicted_step_time_s"]
+  assert 0 < predicted["graphpipe"] <= predicted["sequential"]
+  assert results["predicted_ratio"] >= 1.0
+  assert all(0 < t < 10 for t in results["measured_step_time_s"].values())
+  assert 0 < results["measured_ratio"] < 10
