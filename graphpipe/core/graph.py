@@ -347,16 +347,23 @@ class OpGraph:
   @classmethod
   def load(cls, path: str) -> OpGraph:
     """Reads a graph written by `save` (without the executable program)."""
-    try:
-      with open(path) as f:
-        data = json.load(f)
-    except json.JSONDecodeError as err:
-      raise GraphFormatError(f"{path} is not JSON: {err}") from err
-    except OSError as err:
-      raise GraphFormatError(
-        f"cannot read a graph from {path}: {err}"
-      ) from None
-    return cls.from_dict(data)
+    return cls.from_dict(read_json(path, "a graph"))
+
+
+def read_json(path: str, what: str):
+  """The JSON document at `path`; `GraphFormatError` if unreadable.
+
+  Args:
+    path: the file.
+    what: what the file should hold, for the message ('a graph', ...).
+  """
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as err:
+    raise GraphFormatError(f"{path} is not JSON: {err}") from err
+  except OSError as err:
+    raise GraphFormatError(f"cannot read {what} from {path}: {err}") from None
 
   def to_dot(self) -> str:
     """Graphviz DOT text: one box per node, edges labelled in KB/sample."""
