@@ -347,16 +347,7 @@ class OpGraph:
   @classmethod
   def load(cls, path: str) -> OpGraph:
     """Reads a graph written by `save` (without the executable program)."""
-    try:
-      with open(path) as f:
-        data = json.load(f)
-    except json.JSONDecodeError as err:
-      raise GraphFormatError(f"{path} is not JSON: {err}") from err
-    except OSError as err:
-      raise GraphFormatError(
-        f"cannot read a graph from {path}: {err}"
-      ) from None
-    return cls.from_dict(data)
+    return cls.from_dict(read_json(path, "a graph"))
 
   def to_dot(self) -> str:
     """Graphviz DOT text: one box per node, edges labelled in KB/sample."""
@@ -434,3 +425,19 @@ def _check_figures(items, names, what) -> None:
           f"{what} {item.get('id', (item.get('src'), item.get('dst')))}: "
           f"{name} = {value!r} is not a finite number {bound} (edited file?)"
         )
+
+
+def read_json(path: str, what: str):
+  """The JSON document at `path`; `GraphFormatError` if unreadable.
+
+  Args:
+    path: the file.
+    what: what the file should hold, for the message ('a graph', ...).
+  """
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as err:
+    raise GraphFormatError(f"{path} is not JSON: {err}") from err
+  except OSError as err:
+    raise GraphFormatError(f"cannot read {what} from {path}: {err}") from None

@@ -28,7 +28,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 
-from graphpipe.core.graph import OpGraph
+from graphpipe.core.graph import OpGraph, read_json
 from graphpipe.errors import GraphFormatError, PlanError
 
 
@@ -202,14 +202,7 @@ class Plan:
   @classmethod
   def load(cls, path: str) -> Plan:
     """Reads a plan written by `save`."""
-    try:
-      with open(path) as f:
-        data = json.load(f)
-    except json.JSONDecodeError as err:
-      raise GraphFormatError(f"{path} is not JSON: {err}") from err
-    except OSError as err:
-      raise GraphFormatError(f"cannot read a plan from {path}: {err}") from None
-    return cls.from_dict(data)
+    return cls.from_dict(read_json(path, "a plan"))
 
 
 def in_flight_counts(

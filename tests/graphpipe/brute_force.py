@@ -14,11 +14,12 @@ import itertools
 import random
 from collections.abc import Iterator, Sequence
 
-from graphpipe.core.graph import Edge, Node, OpGraph
+from graphpipe.core.graph import Edge, OpGraph
 from graphpipe.core.memory import plan_memory, stage_memory_bytes
 from graphpipe.core.stages import Plan, Stage, in_flight_counts
 from graphpipe.planning import sp
 from graphpipe.simulator.engine import simulate
+from tests.graphpipe.test_costs import ff_node
 
 Stages = list[tuple[tuple[int, ...], int]]
 
@@ -28,22 +29,7 @@ def random_graph(seed: int, num_nodes: int) -> OpGraph:
   rng = random.Random(seed)
   nodes = []
   for i in range(num_nodes):
-    width = rng.choice([256, 1024, 4096])
-    params = width * width * 4
-    nodes.append(
-      Node(
-        id=i,
-        name=f"n{i}",
-        param_bytes=params,
-        fwd_flops=2.0 * width * width,
-        bwd_flops=4.0 * width * width,
-        fwd_bytes=8.0 * width,
-        bwd_bytes=16.0 * width,
-        activation_bytes=4.0 * width,
-        saved_bytes=8.0 * width,
-        fixed={"fwd_bytes": float(params), "bwd_bytes": 2.0 * params},
-      )
-    )
+    nodes.append(ff_node(i, rng.choice([256, 1024, 4096])))
   edges = set()
   for b in range(1, num_nodes):
     # Mostly chains and forks, with some skips: every node but the first
