@@ -285,6 +285,14 @@ def _search(
         if evaluate(spent) is not None:
           continue
       evaluate(part)
+  if not any(c is not None for c in candidates.values()):
+    # Every device holds what the largest stage needs, and replicas hold
+    # their gradient sums: where no pipeline fits, the whole model on one
+    # device (the others idle) still may, and every planner can make it.
+    whole = (tuple(range(len(graph.nodes))), 1)
+    schedule = "gpipe" if planner == "gpipe" else "1f1b"
+    for b in sizes:
+      evaluate(Partition((whole,), b, schedule=schedule))
   ranked = sorted(
     ((c[:3], part) for part, c in candidates.items() if c is not None),
     key=lambda x: x[0],
