@@ -458,6 +458,7 @@ def tightest_plan(
     device: the device preset or spec the planner costs with.
     steps: bisection steps.
   """
+  _check_arguments(graph, num_devices, batch_size, planner)
   kwargs = {"planner": planner, "device": device}
   # Feasibility as `plan` decides it, without building its error message.
   spec = device_spec(device) if isinstance(device, str) else device
