@@ -11,7 +11,13 @@ writes to DIR:
   results.json   planner, num_devices, num_stages, depth, micro_batch_size,
                  num_microbatches, iteration_time_s, throughput_samples_per_s,
                  peak_memory_bytes (max over devices), bubble_fraction,
-                 search_time_s, plus the config and the environment.
+                 search_time_s, memory_per_device (per device, bytes by
+                 kind: parameters, gradients, optimizer, state, stashes,
+                 channels, batch, work; from the runtime's own layout),
+                 padding_fraction (parameter and optimizer bytes held
+                 beyond each device's own stage / all held), the
+                 planner's bound beside them, plus the config and the
+                 environment.
 
 Default batch size (our choice; PAPERS.md has no table): the zoo's
 `default_batch_size` is the mini-batch of one 4-GPU Summit node, and larger
@@ -26,12 +32,18 @@ import json
 import os
 import time
 
+import optax
 from absl import app, flags
 
 from experiments import common
-from graphpipe import PLANNERS, models, plan_and_simulate
+from graphpipe import PLANNERS, memory_report, models, plan_and_simulate
+from graphpipe.core.memory import plan_memory
 from graphpipe.costs import device_spec
-from graphpipe.errors import GraphpipeError, PlotsUnavailableError
+from graphpipe.errors import (
+  GraphpipeError,
+  PipelineRuntimeError,
+  PlotsUnavailableError,
+)
 
 
 def run(
@@ -92,6 +104,12 @@ def run(
     profiled=profiled,
   )
   common.log(f"{plan}\n[3/4] simulated: {report}")
+  memory = memory_figures(plan, graph)
+  common.log(
+    f"      memory ({memory['memory_source']}): largest device "
+    f"{max(memory['total_bytes_per_device']) / 2**30:.3g} GiB, padding "
+    f"{memory['padding_fraction']:.1%} of parameter and optimizer bytes"
+  )
   results = {
     **common.plan_summary(plan, report),
     "model": model,
@@ -108,6 +126,7 @@ def run(
     "in_flight": list(schedule.in_flight),
     "peak_stash": list(report.peak_stash),
     "peak_memory_bytes_per_device": list(report.peak_memory_bytes),
+    **memory,
     "capture_time_s": capture_s,
     "plan_and_simulate_time_s": time.perf_counter() - start,
   }
@@ -134,6 +153,33 @@ def run(
   written.append("results.json")
   common.log(f"[4/4] wrote {', '.join(written)} to {out}")
   return results
+
+
+def memory_figures(plan, graph) -> dict:
+  """What each device will hold (by kind) and the padding among it.
+
+  From the runtime's own layout (`graphpipe.memory_report`, Adam, abstract
+  values only) where the runtime can run the plan, else the planner's
+  bound (`graphpipe.core.memory.plan_memory`); both beside each other.
+  """
+  planner = plan_memory(graph, plan)
+  try:
+    report = memory_report(plan, graph, optax.adam(1e-3))
+  except PipelineRuntimeError as err:
+    common.log(f"      no runtime memory report ({err}): the planner's bound")
+    report = planner
+  out = {
+    "memory_source": report.source,
+    "memory_per_device": [dict(k) for k in report.per_device],
+    "total_bytes_per_device": list(report.totals),
+    "padding_fraction": report.padding_fraction,
+    "padding_bytes_per_device": list(report.padding_bytes),
+    "param_optimizer_bytes_own": list(report.own_bytes),
+    "param_optimizer_bytes_held": list(report.held_bytes),
+    "planner_memory_per_device": [dict(k) for k in planner.per_device],
+    "planner_padding_fraction": planner.padding_fraction,
+  }
+  return out
 
 
 def define_flags() -> None:

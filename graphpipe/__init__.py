@@ -38,14 +38,11 @@ from graphpipe.errors import (
   SimulationError,
 )
 from graphpipe.frontend.tracer import capture
-from graphpipe.planning.search import (
-  PLANNERS,
-  plan,
-  plan_and_simulate,
-  tightest_plan,
-)
+from graphpipe.planning.search import PLANNERS, plan, tightest_plan
+from graphpipe.planning.simulated import plan_and_simulate
 from graphpipe.planning.validate import check_plan
 from graphpipe.runtime import Trainer, TrainState
+from graphpipe.runtime.memory import memory_report
 from graphpipe.schedules.builders import schedule_for
 from graphpipe.schedules.checker import check_schedule
 from graphpipe.schedules.grid import Action, Schedule
@@ -84,6 +81,7 @@ __all__ = [
   "check_plan",
   "check_schedule",
   "draw_graph",
+  "memory_report",
   "plan",
   "plan_and_simulate",
   "schedule_for",

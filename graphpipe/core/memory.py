@@ -1,17 +1,72 @@
-"""The memory rule: what one device of a stage holds.
+"""The memory rule: what one device of a pipelined step holds.
 
-Planners, the simulator and the runtime's reports count the same bytes.
+Two levels, one rule:
+
+- `stage_memory_bytes`: what a stage needs for itself (its own weights,
+  gradients, optimizer slots and stashed activations). The planners' DPs
+  use it to prune stages one at a time.
+- `Holdings` -> `device_bytes`: what every device of the runtime's SPMD
+  step really holds. The step has one set of array shapes on all devices,
+  so each device holds parameter slots as large as the largest stage's
+  parameters (`graphpipe.core.slots`), optimizer state over those slots,
+  stashes sized to the largest stage input, output and residual times the
+  most slots any device needs, channel buffers, the whole mini-batch, and
+  the working memory of its largest action. The planner fills a `Holdings`
+  from the graph's figures (`plan_holdings`, an upper bound) and rejects
+  plans over budget; the runtime fills one from the layout it builds
+  (`graphpipe.runtime.memory.memory_report`) and the same `device_bytes`
+  turns both into bytes by kind.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 
 from graphpipe.core.graph import OpGraph
+from graphpipe.core.stages import Plan
+from graphpipe.errors import PlanError
 
 # Adam keeps two fp32 moments per parameter; with the weights and their
 # gradients a parameter costs four times its own bytes.
 DEFAULT_OPTIMIZER_SLOTS = 2
+
+# Bytes an optimizer may keep besides its per-parameter slots (Adam's
+# step count), counted by the planner so that it never undercounts.
+_OPTIMIZER_SCALARS = 64
+
+KINDS = (
+  "parameters",
+  "gradients",
+  "optimizer",
+  "state",
+  "stashes",
+  "channels",
+  "batch",
+  "work",
+  "tables",
+)
+# The kinds that grow with the model's weights: what `graphpipe.tightest_plan`
+# squeezes (a tiny model's stashes and bookkeeping say little about a
+# real model of its shape, whose weights force it onto more devices).
+MODEL_KINDS = ("parameters", "gradients", "optimizer", "state")
+
+_ITEMSIZE = {
+  "float64": 8,
+  "int64": 8,
+  "uint64": 8,
+  "float32": 4,
+  "int32": 4,
+  "uint32": 4,
+  "float16": 2,
+  "bfloat16": 2,
+  "int16": 2,
+  "uint16": 2,
+  "int8": 1,
+  "uint8": 1,
+  "bool": 1,
+}
 
 
 def stage_memory_bytes(
@@ -21,16 +76,359 @@ def stage_memory_bytes(
   in_flight: int,
   optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS,
 ) -> float:
-  """Peak bytes one device of a stage holds.
+  """Bytes a stage alone makes every device hold (`device_bytes`' kinds).
 
-  Weights, gradients and optimizer slots of the stage's parameters (each a
-  copy of the parameter bytes), its non-trainable state, and the saved
-  activations of `in_flight` micro-batches of `micro_batch_per_device`
-  samples. Every device of a data-parallel stage holds a full replica.
+  Its parameters (slots at least that large on every device), their
+  gradients (accumulator and result), optimizer slots and the work term
+  (parameter gradients and their slots: 2 x parameters, plus the largest
+  action's transient), its non-trainable state, and the saved activations
+  of `in_flight` micro-batches of `micro_batch_per_device` samples. A lower
+  bound of `plan_memory` for any plan with this stage, so the DPs prune
+  with it.
   """
   params = sum(graph.nodes[i].param_bytes for i in nodes)
   state = sum(graph.nodes[i].state_bytes for i in nodes)
   saved = sum(
     graph.nodes[i].cost("saved_bytes", micro_batch_per_device) for i in nodes
   )
-  return params * (2 + optimizer_slots) + state + saved * in_flight
+  work = work_bytes(graph, nodes, micro_batch_per_device)
+  return params * (5 + optimizer_slots) + work + state + saved * in_flight
+
+
+@dataclasses.dataclass(frozen=True)
+class Holdings:
+  """The buffers every device of a step holds (the same on all devices).
+
+  Attributes:
+    param_elements: float32 elements of the parameter slots (the largest
+      stage's parameters).
+    state_elements: the same for the non-trainable variables.
+    optimizer_bytes: the optimizer's state over the parameter slots.
+    stash_elements: activation, gradient and residual stashes together.
+    channel_elements: one [channels, largest transfer] block.
+    batch_bytes: the whole mini-batch (every device gets all of it).
+    work_bytes: transient memory of the largest forward or backward.
+    table_bytes: the step's tick tables (constants on every device).
+    replicas: devices of the largest data-parallel stage.
+    own_param_elements: per device, its own stage's parameter elements.
+    stages: per device, its stage (-1: none).
+  """
+
+  param_elements: int
+  state_elements: int
+  optimizer_bytes: int
+  stash_elements: int
+  channel_elements: int
+  batch_bytes: int
+  work_bytes: int
+  table_bytes: int
+  replicas: int
+  own_param_elements: tuple[int, ...]
+  stages: tuple[int, ...]
+
+
+def device_bytes(h: Holdings) -> dict[str, int]:
+  """Bytes one device holds, by kind (`KINDS`).
+
+  Gradients: the accumulator and the reduced result, both the size of the
+  parameter slots; summing a data-parallel group of k devices in a fixed
+  order also holds the k - 1 copies received and a running sum.
+  Channels: what arrived, and what the forward and the backward send.
+  Work: the largest action's transient memory, the gradients of its
+  parameters and the slots they are scattered into (an embedding's
+  gradient is a dense table-sized array). Tables: the step's tick tables.
+  """
+  p = 4 * h.param_elements
+  reduce_copies = h.replicas if h.replicas > 1 else 0
+  return {
+    "parameters": p,
+    "gradients": p * (2 + reduce_copies),
+    "optimizer": h.optimizer_bytes,
+    "state": 4 * h.state_elements,
+    "stashes": 4 * h.stash_elements,
+    "channels": 3 * 4 * h.channel_elements,
+    "batch": h.batch_bytes,
+    "work": h.work_bytes + 2 * p,
+    "tables": h.table_bytes,
+  }
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+  """Per device, the bytes it holds by kind, and the padding among them.
+
+  Attributes:
+    per_device: per device, bytes by kind (`KINDS`).
+    own_bytes: per device, its own stage's parameter and optimizer bytes.
+    held_bytes: per device, the parameter and optimizer bytes it holds
+      (the slots are the largest stage's size on every device).
+    stages: per device, its stage (-1: none).
+    source: 'planner' (graph figures, an upper bound) or 'runtime' (the
+      runtime's own layout).
+  """
+
+  per_device: tuple[dict[str, int], ...]
+  own_bytes: tuple[int, ...]
+  held_bytes: tuple[int, ...]
+  stages: tuple[int, ...]
+  source: str
+
+  @classmethod
+  def from_holdings(cls, h: Holdings, source: str) -> MemoryReport:
+    kinds = device_bytes(h)
+    optimizer_per_element = h.optimizer_bytes / max(1, h.param_elements)
+    per_element = 4 + optimizer_per_element
+    held = kinds["parameters"] + kinds["optimizer"]
+    return cls(
+      per_device=tuple(dict(kinds) for _ in h.own_param_elements),
+      own_bytes=tuple(round(n * per_element) for n in h.own_param_elements),
+      held_bytes=tuple(held for _ in h.own_param_elements),
+      stages=h.stages,
+      source=source,
+    )
+
+  @property
+  def totals(self) -> tuple[int, ...]:
+    """Per device, all bytes it holds."""
+    return tuple(sum(k.values()) for k in self.per_device)
+
+  @property
+  def largest(self) -> int:
+    return max(self.totals, default=0)
+
+  def largest_of(self, kinds: Sequence[str] = KINDS) -> int:
+    """The most bytes of `kinds` any device holds."""
+    return max(
+      (sum(k[kind] for kind in kinds) for k in self.per_device), default=0
+    )
+
+  @property
+  def padding_bytes(self) -> tuple[int, ...]:
+    """Per device, parameter and optimizer bytes held beyond its own."""
+    return tuple(
+      h - o for h, o in zip(self.held_bytes, self.own_bytes, strict=True)
+    )
+
+  @property
+  def padding_fraction(self) -> float:
+    """Padding bytes / all parameter and optimizer bytes held."""
+    held = sum(self.held_bytes)
+    return sum(self.padding_bytes) / held if held else 0.0
+
+  def to_dict(self) -> dict:
+    return {
+      "source": self.source,
+      "memory_per_device": [dict(k) for k in self.per_device],
+      "total_bytes_per_device": list(self.totals),
+      "own_param_optimizer_bytes": list(self.own_bytes),
+      "held_param_optimizer_bytes": list(self.held_bytes),
+      "padding_bytes": list(self.padding_bytes),
+      "padding_fraction": self.padding_fraction,
+    }
+
+  def describe(self, device: int | None = None) -> str:
+    """One device's bytes by kind, largest first (default: the largest)."""
+    if device is None:
+      device = max(range(len(self.totals)), key=lambda d: self.totals[d])
+    kinds = self.per_device[device]
+    parts = ", ".join(
+      f"{k} {_gib(v)}"
+      for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])
+      if v >= 2**20 or v >= self.totals[device] / 100
+    )
+    stage = self.stages[device]
+    where = f" (stage {stage})" if stage >= 0 else ""
+    return f"device {device}{where} holds {_gib(self.totals[device])}: {parts}"
+
+
+def _gib(n: float) -> str:
+  return f"{n / 2**30:.3g} GiB"
+
+
+# The planner's figures: the runtime's buffers, sized from the graph.
+
+
+def plan_holdings(
+  graph: OpGraph,
+  plan: Plan,
+  optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS,
+  recompute: bool = False,
+  in_flight: Sequence[int] | None = None,
+) -> Holdings:
+  """What every device of `plan`'s step will hold, from `graph`'s figures.
+
+  An upper bound of the runtime's own figure
+  (`graphpipe.runtime.memory.memory_report`): the parameter and state slots
+  are the same (the largest stage's elements); each stash's slot count is
+  the most micro-batches any stage keeps in flight (the runtime colours
+  the schedule's lifetimes into no more), residuals are the nodes' full VJP
+  residuals (the runtime keeps only matrix products' outputs and the
+  stage inputs), and values crossing stages count once per operator edge.
+  Parameters and transferred values are counted as float32, as the runtime
+  stores them. `in_flight`: per stage, micro-batches stashed at once
+  (default the plan's counts; the simulator passes what it observed).
+  """
+  owner = plan.stage_of_node()
+  nodes = graph.nodes
+  per_stage = []
+  inputs = [0.0] * plan.num_stages
+  outputs = [0.0] * plan.num_stages
+  carried = set()
+  for e in graph.edges:
+    a, b = owner[e.src], owner[e.dst]
+    if a != b:
+      outputs[a] += e.bytes / 4
+      inputs[b] += e.bytes / 4
+      carried.add((a, b))
+  # Stage edges without an operator edge carry a one-column token.
+  for a, b in plan.stage_edges:
+    if (a, b) not in carried:
+      outputs[a] += 1
+      inputs[b] += 1
+  for s in plan.stages:
+    chunk = s.micro_batch_size / len(s.devices)
+    residual = 0.0
+    if not recompute:
+      residual = sum(nodes[n].cost("saved_bytes", chunk) for n in s.nodes) / 4
+    per_stage.append(
+      {
+        "chunk": chunk,
+        "params": sum(nodes[n].param_bytes for n in s.nodes) // 4,
+        "state": sum(nodes[n].state_bytes for n in s.nodes) // 4,
+        "in": math.ceil(inputs[s.id] * chunk),
+        "out": math.ceil(outputs[s.id] * chunk),
+        "res": math.ceil(residual),
+        "work": work_bytes(graph, s.nodes, chunk),
+      }
+    )
+  most = max(in_flight or [s.in_flight for s in plan.stages])
+  transfer = max(
+    [1]
+    + [
+      math.ceil(
+        min(per_stage[a]["chunk"], per_stage[b]["chunk"])
+        * max(
+          per_stage[b]["in"] / per_stage[b]["chunk"],
+          per_stage[a]["out"] / per_stage[a]["chunk"],
+        )
+      )
+      for a, b in plan.stage_edges
+    ]
+  )
+  pairs = {
+    (x, y)
+    for a, b in plan.stage_edges
+    for x in plan.stages[a].devices
+    for y in plan.stages[b].devices
+  }
+  largest = lambda key: max(1, max(s[key] for s in per_stage))
+  params = largest("params")
+  stage_of = [-1] * plan.num_devices
+  own = [0] * plan.num_devices
+  for s, sizes in zip(plan.stages, per_stage, strict=True):
+    for d in s.devices:
+      stage_of[d], own[d] = s.id, sizes["params"]
+  return Holdings(
+    param_elements=params,
+    state_elements=largest("state"),
+    # The optimizer's scalars (a step count) besides its slots.
+    optimizer_bytes=4 * optimizer_slots * params + _OPTIMIZER_SCALARS,
+    stash_elements=(largest("in") + largest("out")) * most
+    + 2 * transfer
+    + (largest("res") * most if not recompute else 1),
+    channel_elements=max(1, 2 * len(pairs)) * transfer,
+    batch_bytes=batch_bytes(graph, plan.batch_size),
+    work_bytes=max(s["work"] for s in per_stage),
+    table_bytes=table_bytes(plan, 2 * max(1, len(pairs))),
+    replicas=max(len(s.devices) for s in plan.stages),
+    own_param_elements=tuple(own),
+    stages=tuple(stage_of),
+  )
+
+
+def table_bytes(plan: Plan, channels: int, ticks: int | None = None) -> int:
+  """Bytes of the step's int32 tick tables (at most 2 m S ticks)."""
+  if ticks is None:
+    ticks = 2 * max(plan.stage_microbatches) * plan.num_stages
+  return 4 * ticks * plan.num_devices * (7 + 5 * channels)
+
+
+def batch_bytes(graph: OpGraph, batch_size: int) -> int:
+  """Bytes of the whole mini-batch of `graph`'s inputs."""
+  return batch_size * sum(
+    math.prod(i.shape) * _ITEMSIZE.get(i.dtype, 8) for i in graph.inputs
+  )
+
+
+def work_bytes(graph: OpGraph, nodes: Sequence[int], chunk: float) -> int:
+  """Transient bytes of a stage's forward plus backward on `chunk` samples.
+
+  Every intermediate the backward of its nodes reads (their full VJP
+  residuals), the outputs and their cotangents: what a recomputing backward
+  materialises at once, at most.
+  """
+  total = 0.0
+  for n in nodes:
+    node = graph.nodes[n]
+    total += node.cost("saved_bytes", chunk)
+    total += 2 * node.cost("activation_bytes", chunk)
+  return math.ceil(total)
+
+
+def plan_memory(
+  graph: OpGraph,
+  plan: Plan,
+  optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS,
+  recompute: bool = False,
+  in_flight: Sequence[int] | None = None,
+) -> MemoryReport:
+  """The planner's per-device memory of `plan` (`plan_holdings`)."""
+  return MemoryReport.from_holdings(
+    plan_holdings(graph, plan, optimizer_slots, recompute, in_flight),
+    "planner",
+  )
+
+
+def check_memory(
+  graph: OpGraph,
+  plan: Plan,
+  memory_bytes: float,
+  optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS,
+) -> MemoryReport:
+  """`plan_memory(graph, plan)`, or `PlanError` if a device is over budget.
+
+  The error names the device, its bytes by kind and what would help.
+  """
+  report = plan_memory(graph, plan, optimizer_slots)
+  if report.largest <= memory_bytes:
+    return report
+  raise PlanError(over_budget_message(graph, plan, report, memory_bytes))
+
+
+def over_budget_message(graph, plan, report, memory_bytes) -> str:
+  """Why `plan` does not fit, and what to change."""
+  device = max(range(len(report.totals)), key=lambda d: report.totals[d])
+  kinds = report.per_device[device]
+  hints = []
+  heavy = max(
+    plan.stages,
+    key=lambda s: sum(graph.nodes[n].param_bytes for n in s.nodes),
+  )
+  hints.append(
+    "more devices (every device holds slots the size of the largest "
+    f"stage, stage {heavy.id}; more stages make it smaller)"
+  )
+  saved = plan_memory(graph, plan, recompute=True).largest
+  if saved < 0.99 * report.largest:
+    hints.append(
+      f"recompute=True (no residual stash: {_gib(saved)} per device)"
+    )
+  if plan.micro_batch_size > 1:
+    hints.append(
+      "a smaller micro-batch (stashes and working memory shrink with it)"
+    )
+  del kinds
+  return (
+    f"{report.describe(device)}, over the budget of {_gib(memory_bytes)} "
+    f"per device; try {'; or '.join(hints)}"
+  )

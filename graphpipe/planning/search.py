@@ -35,12 +35,16 @@ from collections.abc import Callable, Sequence
 from graphpipe.core.cost_model import CostModel
 from graphpipe.core.fingerprint import graph_fingerprint
 from graphpipe.core.graph import OpGraph
-from graphpipe.core.memory import stage_memory_bytes
+from graphpipe.core.memory import (
+  KINDS,
+  MODEL_KINDS,
+  over_budget_message,
+  plan_memory,
+)
 from graphpipe.core.stages import Plan
 from graphpipe.costs import (
   AnalyticCostModel,
   DeviceSpec,
-  ProfiledCostModel,
   device_spec,
 )
 from graphpipe.errors import PlanError
@@ -51,15 +55,16 @@ from graphpipe.planning.graphpipe_dp import GraphPipePartitioner
 from graphpipe.planning.micro_batches import grow_micro_batches
 from graphpipe.planning.piper import PIPER_BUDGET, PiperPartitioner
 from graphpipe.planning.refine import refine
-from graphpipe.planning.stage_costs import StageCosts, estimate_iteration_time
-from graphpipe.schedules.builders import schedule_for
-from graphpipe.schedules.grid import Schedule
-from graphpipe.simulator.engine import Report, simulate
+from graphpipe.planning.stage_costs import (
+  NodeTimes,
+  StageCosts,
+  estimate_iteration_time,
+)
+from graphpipe.simulator.engine import simulate
 
 __all__ = [
   "PLANNERS",
   "plan",
-  "plan_and_simulate",
   "tightest_plan",
 ]
 
@@ -68,6 +73,10 @@ PLANNERS = ("graphpipe", "sequential", "gpipe", "piper")
 # and in plans.
 _SIMULATED_ACTIONS = 20_000
 _SIMULATED_PLANS = 32
+# A plan this much slower than the fastest may win with less padding ...
+PADDING_TOLERANCE = 0.05
+# ... when its devices hold this much padding each on average (not tiny).
+PADDING_MIN_BYTES = 2**20
 # Local search starts from the best plan of this many micro-batch sizes.
 _REFINED = 3
 
@@ -83,6 +92,7 @@ def plan(
   micro_batch_sizes: Sequence[int] | None = None,
   per_stage_micro_batches: bool = False,
   piper_budget: int = PIPER_BUDGET,
+  memory_kinds: Sequence[str] = KINDS,
 ) -> Plan:
   """A stage graph for `graph` on `num_devices` devices.
 
@@ -90,14 +100,19 @@ def plan(
     >>> graph = capture_zoo("two_branch", "paper")   # the case study
     >>> p = plan(graph, num_devices=8, batch_size=8)
     >>> print(p)                  # stages, devices, micro-batch, in flight
-    Plan[graphpipe] 3 stages, depth 2, b=4 x 2 micro-batches, 8 devices,
+    Plan[graphpipe] 8 stages, depth 5, b=1 x 8 micro-batches, 8 devices,
     schedule 1f1b
-      stage 0: nodes [0, 1, 2] on devices [4, 5], b=4, in flight 2
-      stage 1: nodes [4, 5, 6, 7] on devices [0, 1, 2, 3], b=4, in flight 2
-      stage 2: nodes [3, 8] on devices [6, 7], b=4, in flight 1
-      edges: [(0, 2), (1, 2)]
+      stage 0: nodes [0] on devices [0], b=1, in flight 4
+      stage 1: nodes [1] on devices [1], b=1, in flight 3
+      stage 2: nodes [2] on devices [2], b=1, in flight 2
+      stage 3: nodes [4] on devices [3], b=1, in flight 5
+      stage 4: nodes [5] on devices [4], b=1, in flight 4
+      stage 5: nodes [6] on devices [5], b=1, in flight 3
+      stage 6: nodes [7] on devices [6], b=1, in flight 2
+      stage 7: nodes [3, 8] on devices [7], b=1, in flight 1
+      edges: [(0, 1), (1, 2), (2, 7), (3, 4), (4, 5), (5, 6), (6, 7)]
     >>> p.depth, plan(graph, 8, 8, planner="sequential").depth
-    (2, 8)
+    (5, 2)
 
   Args:
     graph: the operator graph (captured or loaded from JSON).
@@ -121,6 +136,9 @@ def plan(
       paper (an optional extension).
     piper_budget: stages Piper may price before it gives up (its search
       is exponential in the number of parallel branches).
+    memory_kinds: the kinds of `graphpipe.core.memory.KINDS` that
+      `memory_bytes` bounds (default all: what the runtime's step holds on
+      each device, `graphpipe.core.memory.plan_memory`).
 
   Raises:
     PlanError: no plan fits (the message names the smallest per-device
@@ -151,6 +169,7 @@ def plan(
     sizes,
     per_stage=per_stage,
     piper_budget=piper_budget,
+    memory_kinds=memory_kinds,
   )
   if best is None:
     # The partitioners bound memory conservatively (non-series-parallel
@@ -159,7 +178,9 @@ def plan(
     # none (tests/graphpipe/test_random_graphs.py found such graphs).
     args = (graph, num_devices, batch_size, planner, cost_model)
     unlimited = _search(*args, math.inf, sizes)
-    if unlimited is None or _peak_memory(unlimited, graph) > memory_bytes:
+    if unlimited is None or (
+      plan_memory(graph, unlimited).largest_of(memory_kinds) > memory_bytes
+    ):
       raise _no_plan_error(*args, memory_bytes, sizes, unlimited)
     best = unlimited
   return dataclasses.replace(
@@ -221,12 +242,13 @@ def _search(
   sizes,
   per_stage: bool = False,
   piper_budget: int = PIPER_BUDGET,
+  memory_kinds: Sequence[str] = KINDS,
 ) -> Plan | None:
   """The fastest candidate plan (see the module docstring), or None."""
   costs = StageCosts(graph, cost_model, batch_size, num_devices, memory_bytes)
   partition = _partitioner(graph, planner, costs, piper_budget)
   fingerprint = graph_fingerprint(graph)
-  timing = _NodeTimes(cost_model)
+  timing = NodeTimes(cost_model)
   candidates: dict[Partition, tuple | None] = {}
 
   def evaluate(part: Partition) -> tuple | None:
@@ -239,6 +261,11 @@ def _search(
         for s in p.stages
       )
       candidates[part] = None
+      # Every device holds what the largest stage needs (SPMD): the
+      # runtime's per-device figure, not each stage's own, must fit.
+      fits = fits and (
+        plan_memory(graph, p).largest_of(memory_kinds) <= costs.memory_bytes
+      )
       if fits:
         estimate = estimate_iteration_time(p, graph, timing)
         candidates[part] = (
@@ -252,8 +279,20 @@ def _search(
   for b in sizes:
     for part in partition(b):
       if part.schedule == "1f1b":
-        part = spend_spare_devices(graph, part, costs)
+        spent = spend_spare_devices(graph, part, costs)
+        # Replicas hold their gradient sums: the partition as the DP gave
+        # it (spare devices idle) may fit where the spent one does not.
+        if evaluate(spent) is not None:
+          continue
       evaluate(part)
+  if not any(c is not None for c in candidates.values()):
+    # Every device holds what the largest stage needs, and replicas hold
+    # their gradient sums: where no pipeline fits, the whole model on one
+    # device (the others idle) still may, and every planner can make it.
+    whole = (tuple(range(len(graph.nodes))), 1)
+    schedule = "gpipe" if planner == "gpipe" else "1f1b"
+    for b in sizes:
+      evaluate(Partition((whole,), b, schedule=schedule))
   ranked = sorted(
     ((c[:3], part) for part, c in candidates.items() if c is not None),
     key=lambda x: x[0],
@@ -306,9 +345,15 @@ def _search(
   # (rarely a little over): simulate the schedule each plan will run, best
   # estimate first, until the next estimate is no better than the fastest
   # simulated plan (or the simulation budget is spent).
-  best, budget, timed = None, _SIMULATED_ACTIONS, set()
+  # Plans within PADDING_TOLERANCE of the fastest are simulated too: of
+  # those, the one whose devices hold the least padding wins (every device
+  # holds slots the size of the largest stage's parameters).
+  best, budget, timed, close = None, _SIMULATED_ACTIONS, set(), []
+  slack = 1.0  # 1 + PADDING_TOLERANCE once the fastest plan pads much
   for c in found:
-    if best is not None and (c[0] >= best[0] or len(timed) == _SIMULATED_PLANS):
+    if best is not None and (
+      c[0] >= best[0] * slack or len(timed) == _SIMULATED_PLANS
+    ):
       break
     # Plans the estimate cannot tell apart (mirror images: the same stages
     # on other branches or devices) are simulated once.
@@ -319,33 +364,18 @@ def _search(
     timed.add(twin)
     budget -= actions
     seconds = simulate(c[3], graph, cost_model).iteration_time_s
+    close.append((seconds, *c[1:]))
     if best is None or (seconds, *c[1:3]) < best[:3]:
       best = (seconds, *c[1:])
-  return best[3]
-
-
-class _NodeTimes:
-  """A cost model whose node times are memoised (one search, one graph)."""
-
-  def __init__(self, cost_model: CostModel):
-    self.model = cost_model
-    self.memory_bytes = cost_model.memory_bytes
-    self._times: dict[tuple, float] = {}
-
-  def node_time(self, node, batch, kind) -> float:
-    key = (node.id, batch, kind)
-    if key not in self._times:
-      self._times[key] = self.model.node_time(node, batch, kind)
-    return self._times[key]
-
-  def transfer_time(self, num_bytes, src, dst) -> float:
-    return self.model.transfer_time(num_bytes, src, dst)
-
-  def allreduce_time(self, num_bytes, devices) -> float:
-    return self.model.allreduce_time(num_bytes, devices)
-
-  def optimizer_time(self, param_bytes) -> float:
-    return self.model.optimizer_time(param_bytes)
+      padding = sum(plan_memory(graph, c[3]).padding_bytes)
+      heavy = padding >= PADDING_MIN_BYTES * c[3].num_devices
+      slack = 1 + PADDING_TOLERANCE if heavy else 1.0
+  if slack == 1.0:  # else padding to 0.01, then time
+    return best[3]
+  return min(
+    (c for c in close if c[0] <= best[0] * slack),
+    key=lambda c: (round(plan_memory(graph, c[3]).padding_fraction, 2), c[:3]),
+  )[3]
 
 
 def _unbounded_fit(graph, devices, batch, planner, model, memory, sizes):
@@ -385,20 +415,15 @@ def _no_plan_error(
     f"{memory / gib:.3g} GiB per device on {devices} devices "
     f"(batch {batch}, micro-batches {sizes}): the smallest per-device "
     f"memory that fits is about {high / gib:.3g} GiB; raise memory_bytes "
-    f"or pick a device with more memory{hint}"
+    f"or pick a device with more memory{hint}. Without a limit, "
+    + over_budget_message(
+      graph, unlimited, plan_memory(graph, unlimited), memory
+    )
   )
 
 
 def _peak_memory(p: Plan, graph: OpGraph) -> float:
-  return max(
-    stage_memory_bytes(
-      graph,
-      s.nodes,
-      StageCosts.share(s.micro_batch_size, len(s.devices)),
-      s.in_flight,
-    )
-    for s in p.stages
-  )
+  return plan_memory(graph, p).largest
 
 
 def tightest_plan(
@@ -413,7 +438,10 @@ def tightest_plan(
 
   Small models fit one device, so a planner happily replicates them; under
   the tightest memory budget it must cut them into as many stages as a real
-  model of their shape would need. Experiments and tests use this to run
+  model of their shape would need. The budget bounds the kinds of memory
+  that grow with a model (`graphpipe.core.memory.MODEL_KINDS`): the step's
+  fixed bookkeeping (tick tables, channels, the batch) dominates a tiny
+  model and says nothing about its shape. Experiments and tests use this to run
   real pipelines on tiny models. Binary search over the budget (feasibility
   grows with memory).
 
@@ -430,65 +458,33 @@ def tightest_plan(
     device: the device preset or spec the planner costs with.
     steps: bisection steps.
   """
+  _check_arguments(graph, num_devices, batch_size, planner)
   kwargs = {"planner": planner, "device": device}
   # Feasibility as `plan` decides it, without building its error message.
   spec = device_spec(device) if isinstance(device, str) else device
   args = (graph, num_devices, batch_size, planner, AnalyticCostModel(spec))
   sizes = _micro_batch_sizes(batch_size, None)
   unlimited = _search(*args, math.inf, sizes)
-  peak = math.inf if unlimited is None else _peak_memory(unlimited, graph)
-  low, high, found = 1.0, 8.0 * graph.totals()["param_bytes"] + 1e6, False
+  peak = math.inf
+  if unlimited is not None:
+    peak = float(plan_memory(graph, unlimited).largest_of(MODEL_KINDS))
+  high = peak if math.isfinite(peak) else 8.0 * graph.totals()["param_bytes"]
+  low, high, found = 1.0, high + 1e6, False
   for _ in range(steps):
     middle = (low + high) / 2
-    if peak <= middle or _search(*args, middle, sizes) is not None:
+    if peak <= middle or (
+      _search(*args, middle, sizes, memory_kinds=MODEL_KINDS) is not None
+    ):
       high, found = middle, True
     else:
       low = middle
   if not found:
     return plan(graph, num_devices, batch_size, **kwargs)
-  return plan(graph, num_devices, batch_size, memory_bytes=high, **kwargs)
-
-
-def plan_and_simulate(
-  graph: OpGraph,
-  *,
-  num_devices: int,
-  batch_size: int,
-  planner: str = "graphpipe",
-  device: str = "v100",
-  profiled: bool = False,
-) -> tuple[Plan, Schedule, Report]:
-  """Plans `graph`, builds the plan's schedule and simulates one iteration.
-
-  Example:
-    >>> graph = capture_zoo("two_branch", "tiny")
-    >>> p, schedule, report = plan_and_simulate(
-    ...   graph, num_devices=4, batch_size=8, planner="graphpipe",
-    ...   device="v100")
-    >>> report.iteration_time_s > 0
-    True
-
-  Args:
-    graph: the captured model.
-    num_devices: devices the plan may use.
-    batch_size: samples per iteration.
-    planner: one of `PLANNERS`.
-    device: a device preset of `graphpipe.costs` ('v100', 'a100', ...).
-    profiled: time every node on this machine's device (cached on disk)
-      instead of the analytic estimate; the preset still gives links,
-      memory and the optimizer. Meaningful when the preset describes the
-      device at hand (e.g. 'cpu' here, 'h200' on an H200).
-  """
-  cost_model = AnalyticCostModel(device_spec(device))
-  if profiled:
-    cost_model = ProfiledCostModel(graph, cost_model)
-  chosen = plan(
+  return plan(
     graph,
     num_devices,
     batch_size,
-    planner=planner,
-    device=device,
-    cost_model=cost_model,
+    memory_bytes=high,
+    memory_kinds=MODEL_KINDS,
+    **kwargs,
   )
-  schedule = schedule_for(chosen)
-  return chosen, schedule, simulate(chosen, graph, cost_model, schedule)

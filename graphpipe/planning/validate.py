@@ -7,10 +7,9 @@ the schedule, the simulator and the runtime rely on.
 from __future__ import annotations
 
 from graphpipe.core.graph import OpGraph
-from graphpipe.core.memory import stage_memory_bytes
+from graphpipe.core.memory import plan_memory
 from graphpipe.core.stages import Plan, in_flight_counts
 from graphpipe.errors import PlanError
-from graphpipe.planning.stage_costs import StageCosts
 
 
 def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
@@ -21,17 +20,20 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
   count divides its micro-batch, and its micro-batch is a multiple of each
   predecessor's; stage edges cover every operator edge across stages and
   go forward; in-flight counts follow the schedule; every device's memory
-  (`stage_memory_bytes`) fits `memory_bytes`.
+  (`graphpipe.core.memory.plan_memory`: what the runtime's SPMD step holds
+  on each device) fits `memory_bytes`.
 
   Example:
     >>> graph = capture_zoo("two_branch", "paper")
     >>> p = graphpipe.plan(graph, num_devices=8, batch_size=8)
     >>> check_plan(p, graph, memory_bytes=16e9)   # passes silently
-    >>> check_plan(p, graph, memory_bytes=2**30)    # 1 GiB: the branches
+    >>> check_plan(p, graph, memory_bytes=0.1 * 2**30)    # 0.1 GiB
     Traceback (most recent call last):
     ...
-    graphpipe.errors.PlanError: invalid plan: stage 0 needs 1.08 GiB per
-    device, over 1 GiB; stage 1 needs 1.09 GiB per device, over 1 GiB
+    graphpipe.errors.PlanError: invalid plan: device 0 (stage 0) holds 0.758
+    GiB: stashes 0.234 GiB, work 0.154 GiB, optimizer 0.109 GiB, gradients
+    0.109 GiB, channels 0.082 GiB, parameters 0.0546 GiB, batch 0.0156 GiB,
+    over 0.1 GiB
 
   Args:
     p: the plan.
@@ -78,14 +80,11 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
       expected = in_flight_counts(p.num_stages, p.stage_edges, sizes)
     if [s.in_flight for s in p.stages] != expected:
       problems.append(f"in-flight counts are not {expected}")
-    for s in p.stages:
-      share = StageCosts.share(s.micro_batch_size, len(s.devices))
-      need = stage_memory_bytes(graph, s.nodes, share, s.in_flight)
-      if need > memory_bytes:
-        problems.append(
-          f"stage {s.id} needs {need / 2**30:.3g} GiB per device, over "
-          f"{memory_bytes / 2**30:.3g} GiB"
-        )
+    memory = plan_memory(graph, p)
+    if memory.largest > memory_bytes:
+      problems.append(
+        f"{memory.describe()}, over {memory_bytes / 2**30:.3g} GiB"
+      )
   if problems:
     raise PlanError("invalid plan: " + "; ".join(problems[:5]))
 

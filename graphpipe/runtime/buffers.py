@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import jax
 
-from graphpipe.runtime.slots import SlotLayout
+from graphpipe.core.slots import SlotLayout
 
 
 class Operands(NamedTuple):

@@ -6,7 +6,10 @@ import contextlib
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
+from graphpipe.core.graph import OpGraph
+from graphpipe.core.stages import Plan
 from graphpipe.errors import PipelineRuntimeError, ProcessLostError
 
 
@@ -46,3 +49,28 @@ def peers_checked():
       "the run from its last complete checkpoint "
       "(graphpipe.runtime.checkpoints.latest)"
     ) from None
+
+
+def default_mesh(num_devices: int, axis: str) -> Mesh:
+  """The first `num_devices` devices JAX sees, as a 1-D mesh."""
+  devices = jax.devices()
+  if len(devices) < num_devices:
+    raise PipelineRuntimeError(
+      f"the plan needs {num_devices} devices, JAX sees {len(devices)}: on "
+      "CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
+      "importing jax"
+    )
+  return Mesh(np.asarray(devices[:num_devices]), (axis,))
+
+
+def check_fingerprint(plan: Plan, graph: OpGraph) -> None:
+  """Refuses a plan made for another graph."""
+  if not plan.graph_fingerprint:
+    return
+  from graphpipe.core.fingerprint import graph_fingerprint
+
+  if plan.graph_fingerprint != graph_fingerprint(graph):
+    raise PipelineRuntimeError(
+      "this plan was made for another graph (fingerprints differ): plan "
+      "the captured graph you train"
+    )

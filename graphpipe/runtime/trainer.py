@@ -17,6 +17,7 @@ from graphpipe.core.stages import Plan
 from graphpipe.errors import PipelineRuntimeError
 from graphpipe.runtime import checkpoints, faults, guards, slots
 from graphpipe.runtime.layout import build_layout
+from graphpipe.runtime.memory import runtime_report
 from graphpipe.runtime.step import AXIS, StepBuilder
 from graphpipe.schedules.builders import schedule_for
 from graphpipe.schedules.checker import check_schedule
@@ -51,9 +52,10 @@ class Trainer:
   `jax.value_and_grad` of the unpipelined loss.
 
   Example:
-    >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)),
-    ...                        nnx.Linear(8, 8, rngs=nnx.Rngs(1)),
-    ...                        nnx.Linear(8, 1, rngs=nnx.Rngs(2)))
+    >>> model = nnx.Sequential(nnx.Linear(4, 128, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(128, 128, rngs=nnx.Rngs(1)),
+    ...                        nnx.Linear(128, 128, rngs=nnx.Rngs(2)),
+    ...                        nnx.Linear(128, 1, rngs=nnx.Rngs(3)))
     >>> loss_fn = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
     >>> batch = {"x": jnp.ones((16, 4)), "y": jnp.zeros((16, 1))}
     >>> graph = graphpipe.capture(loss_fn, model, batch)
@@ -65,10 +67,10 @@ class Trainer:
     >>> print(plan)
     Plan[graphpipe] 2 stages, depth 2, b=1 x 16 micro-batches, 2 devices,
     schedule 1f1b
-      stage 0: nodes [0] on devices [0], b=1, in flight 2
-      stage 1: nodes [1, 2] on devices [1], b=1, in flight 1
+      stage 0: nodes [0, 1] on devices [0], b=1, in flight 2
+      stage 1: nodes [2, 3] on devices [1], b=1, in flight 1
       edges: [(0, 1)]
-    >>> trainer = graphpipe.Trainer(plan, optax.sgd(0.01), graph=graph)
+    >>> trainer = graphpipe.Trainer(plan, optax.sgd(1e-3), graph=graph)
     >>> state = trainer.init(model)
     >>> loss_before = float(loss_fn(model, batch))
     >>> state, metrics = trainer.step(state, batch)
@@ -123,14 +125,16 @@ class Trainer:
         "the trainer needs the captured graph the plan was made for: "
         "Trainer(plan, optimizer, graph=graphpipe.capture(...))"
       )
-    _check_fingerprint(plan, graph)
+    guards.check_fingerprint(plan, graph)
     self.plan, self.graph, self.optimizer = plan, graph, optimizer
     self.stop_on_nan = stop_on_nan
     if schedule is None or isinstance(schedule, str):
       schedule = schedule_for(plan, schedule)
     check_schedule(schedule)
     self.schedule = schedule
-    self.mesh = mesh if mesh is not None else _default_mesh(plan.num_devices)
+    self.mesh = (
+      mesh if mesh is not None else guards.default_mesh(plan.num_devices, AXIS)
+    )
     if self.mesh.devices.size < plan.num_devices:
       raise PipelineRuntimeError(
         f"the plan uses {plan.num_devices} devices but the mesh has "
@@ -341,35 +345,52 @@ class Trainer:
     batch = self._device_batch(batch)
     return self._step.lower(state, batch).compile()
 
-  def memory_report(self, state: TrainState, batch) -> dict:
-    """Per-device bytes: parameters (own, padded) and the compiled peak."""
-    lay, buf = self.layout, self.buffers
+  def memory_report(self, state: TrainState | None = None, batch=None) -> dict:
+    """Per-device bytes by kind, predicted before anything is allocated.
+
+    The prediction (`graphpipe.runtime.memory.runtime_report` of this
+    trainer's own layout and buffers): 'memory_per_device' by kind,
+    'total_bytes_per_device', own and held parameter and optimizer bytes,
+    'padding_fraction'. Given a state and a batch, also the compiled
+    step's figure ('compiled_bytes': arguments + outputs + temporaries -
+    aliased, per device) and its compile time.
+    """
+    report = runtime_report(
+      self.layout,
+      self.buffers,
+      self.graph,
+      self.optimizer,
+      self.builder.tables,
+    ).to_dict()
+    report["param_bytes_own"] = [
+      4 * self.layout.param_size(self.layout.stage_of_device()[d])
+      if d in self.layout.stage_of_device()
+      else 0
+      for d in range(self.layout.num_devices)
+    ]
+    report["param_bytes_held"] = [
+      4 * self.buffers.params.total()
+    ] * self.layout.num_devices
+    report["stash_bytes"] = self.buffers.stash_bytes()
+    if state is None or batch is None:
+      return report
     start = time.perf_counter()
     compiled = self.compiled(state, batch)
-    compile_s = time.perf_counter() - start
+    report["compile_time_s"] = time.perf_counter() - start
     mem = compiled.memory_analysis()
-    own = np.zeros(lay.num_devices)
-    for s in lay.stages:
-      for d in s.devices:
-        own[d] = 4 * lay.param_size(s.id)
-    held = 4 * buf.params.total()
-    peak = None
+    report["compiled_bytes"] = None
+    report["peak_memory_bytes"] = None
     if mem is not None:
-      peak = int(
-        getattr(mem, "peak_memory_in_bytes", 0)
-        or mem.argument_size_in_bytes
+      report["compiled_bytes"] = int(
+        mem.argument_size_in_bytes
         + mem.output_size_in_bytes
         + mem.temp_size_in_bytes
         - mem.alias_size_in_bytes
       )
-    return {
-      "compile_time_s": compile_s,
-      "param_bytes_own": own.tolist(),
-      "param_bytes_held": [held] * lay.num_devices,
-      "param_padding_bytes": [held - o for o in own.tolist()],
-      "stash_bytes": buf.stash_bytes(),
-      "peak_memory_bytes": peak,
-    }
+      report["peak_memory_bytes"] = int(
+        getattr(mem, "peak_memory_in_bytes", 0) or report["compiled_bytes"]
+      )
+    return report
 
   # Helpers.
 
@@ -463,26 +484,3 @@ def _key(k) -> str:
 
 def _first_shard(x):
   return np.asarray(x.addressable_shards[0].data)
-
-
-def _default_mesh(num_devices: int) -> Mesh:
-  devices = jax.devices()
-  if len(devices) < num_devices:
-    raise PipelineRuntimeError(
-      f"the plan needs {num_devices} devices, JAX sees {len(devices)}: on "
-      "CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before "
-      "importing jax"
-    )
-  return Mesh(np.asarray(devices[:num_devices]), (AXIS,))
-
-
-def _check_fingerprint(plan: Plan, graph: OpGraph):
-  if not plan.graph_fingerprint:
-    return
-  from graphpipe.core.fingerprint import graph_fingerprint
-
-  if plan.graph_fingerprint != graph_fingerprint(graph):
-    raise PipelineRuntimeError(
-      "this plan was made for another graph (fingerprints differ): plan "
-      "the captured graph you train"
-    )

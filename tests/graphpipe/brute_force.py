@@ -15,7 +15,7 @@ import random
 from collections.abc import Iterator, Sequence
 
 from graphpipe.core.graph import Edge, OpGraph
-from graphpipe.core.memory import stage_memory_bytes
+from graphpipe.core.memory import plan_memory, stage_memory_bytes
 from graphpipe.core.stages import Plan, Stage, in_flight_counts
 from graphpipe.planning import sp
 from graphpipe.simulator.engine import simulate
@@ -190,6 +190,9 @@ def plan_of(
 
 
 def fits(plan: Plan, graph: OpGraph, memory_bytes: float) -> bool:
+  """Each stage's own rule and every device's figure (the planner's)."""
+  if plan_memory(graph, plan).largest > memory_bytes:
+    return False
   return all(
     stage_memory_bytes(
       graph, s.nodes, s.micro_batch_size / len(s.devices), s.in_flight

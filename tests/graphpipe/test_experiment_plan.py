@@ -12,6 +12,8 @@ import sys
 import pytest
 
 import graphpipe
+from graphpipe import Plan
+from graphpipe.core.memory import KINDS
 from graphpipe.models import capture_zoo
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -69,6 +71,29 @@ def test_plan_writes_every_output(tmp_path):
   schedule = json.loads((tmp_path / "schedule.json").read_text())
   assert schedule["num_microbatches"] == results["num_microbatches"]
   assert (tmp_path / "plan.json").exists()
+  # What each device will hold, by kind, from the runtime's own layout.
+  assert results["memory_source"] == "runtime"
+  memory = results["memory_per_device"]
+  assert len(memory) == 4
+  assert all(set(kinds) == set(KINDS) for kinds in memory)
+  plan = Plan.load(str(tmp_path / "plan.json"))
+  graph = capture_zoo("two_branch", "tiny")
+  largest_stage = max(
+    sum(graph.nodes[n].param_bytes for n in s.nodes) for s in plan.stages
+  )
+  assert all(kinds["parameters"] == largest_stage for kinds in memory)
+  own, held = (
+    results["param_optimizer_bytes_own"],
+    results["param_optimizer_bytes_held"],
+  )
+  padding = sum(h - o for h, o in zip(held, own, strict=True)) / sum(held)
+  assert results["padding_fraction"] == pytest.approx(padding)
+  assert 0 <= results["padding_fraction"] < 1
+  # The planner's bound is never below the runtime's figure.
+  for mine, bound in zip(
+    memory, results["planner_memory_per_device"], strict=True
+  ):
+    assert sum(bound.values()) >= sum(mine.values())
   pytest.importorskip("matplotlib")
   assert (tmp_path / "schedule.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -58,7 +58,10 @@ def test_tiny_mmt_sequential_pipeline_runs(tmp_path):
     ],
     tmp_path,
   )
-  assert results["plan"]["num_stages"] >= 4
+  # A chain of several stages (the tightest plan: under the per-device rule
+  # every device holds the largest stage's slots, so going deeper than
+  # three stages saves no memory on tiny mmt).
+  assert results["plan"]["num_stages"] >= 3
   assert len(results["loss"]) == 1 and results["loss"][0] > 0
   assert results["compile_time_s"] > 0
 

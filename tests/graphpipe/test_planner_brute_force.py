@@ -19,6 +19,7 @@ import pytest
 from experiments import pipedream
 from graphpipe import costs
 from graphpipe.errors import PlanError
+from graphpipe.planning import search
 from graphpipe.planning.piper import PiperPartitioner
 from graphpipe.planning.search import plan
 from graphpipe.planning.stage_costs import StageCosts
@@ -40,6 +41,12 @@ def config(seed: int) -> tuple:
   memory = rng.choice([V100.memory_bytes, 0.4e9])
   graph = brute_force.random_graph(seed, num_nodes)
   return graph, devices, batch, memory
+
+
+@pytest.fixture(autouse=True)
+def fastest_plans(monkeypatch):
+  """Time optimality is checked here: no time traded for less padding."""
+  monkeypatch.setattr(search, "PADDING_TOLERANCE", 0.0)
 
 
 def within_brute_force(seed: int, planner: str, kind: str) -> None:

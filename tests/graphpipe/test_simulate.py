@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphpipe.core.memory import stage_memory_bytes
+from graphpipe.core.memory import plan_memory
 from graphpipe.errors import SimulationError
 from graphpipe.schedules.builders import gpipe, one_f_one_b, schedule_for
 from graphpipe.simulator import timeline as trace
@@ -77,8 +77,13 @@ def test_observed_stash_is_p_minus_i_plus_1_for_1f1b_and_m_for_gpipe(p):
   slow = simulate(plan, graph, UnitCosts(), gpipe(plan))
   assert fast.peak_stash == tuple(p - i + 1 for i in range(1, p + 1))
   assert slow.peak_stash == (m,) * p
-  # Memory follows the plan's rule with the observed stash.
-  assert fast.peak_memory_bytes[0] == stage_memory_bytes(graph, (0,), 1, p)
+  # Memory follows the planner's per-device rule with the observed stash.
+  assert (
+    fast.peak_memory_bytes == plan_memory(graph, plan, in_flight=[p]).totals
+  )
+  assert (
+    slow.peak_memory_bytes == plan_memory(graph, plan, in_flight=[m]).totals
+  )
   assert slow.max_peak_memory_bytes > fast.max_peak_memory_bytes
 
 

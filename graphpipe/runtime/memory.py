@@ -1,0 +1,124 @@
+"""`memory_report`: what every device of a plan's step will hold.
+
+Computed before anything is allocated, from the layout and the buffers the
+runtime itself builds (`build_layout`, `StepBuilder`: stage programs and
+residuals traced on abstract values), so it works on paper-size models
+captured from `nnx.eval_shape`. The bytes by kind come from the same rule
+as the planner's (`graphpipe.core.memory.device_bytes`); the planner sizes
+the same buffers from the graph's figures, never below these.
+
+Example:
+  >>> graph = capture_zoo("two_branch", "tiny")
+  >>> p = graphpipe.plan(graph, num_devices=2, batch_size=8)
+  >>> report = graphpipe.memory_report(p, graph, optax.adam(1e-3))
+  >>> kinds = report.per_device[0]
+  >>> print(list(kinds))
+  ['parameters', 'gradients', 'optimizer', 'state', 'stashes', 'channels',
+   'batch', 'work', 'tables']
+  >>> kinds["optimizer"] // kinds["parameters"]   # Adam: two moments
+  2
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from graphpipe.core.graph import OpGraph
+from graphpipe.core.memory import (
+  Holdings,
+  MemoryReport,
+  batch_bytes,
+  work_bytes,
+)
+from graphpipe.core.stages import Plan
+from graphpipe.errors import PipelineRuntimeError
+from graphpipe.runtime.buffers import Buffers
+from graphpipe.runtime.layout import Layout, build_layout
+from graphpipe.runtime.step import StepBuilder
+from graphpipe.schedules.builders import schedule_for
+from graphpipe.schedules.checker import check_schedule
+
+
+def memory_report(
+  plan: Plan,
+  graph: OpGraph | None = None,
+  optimizer: optax.GradientTransformation | None = None,
+  *,
+  schedule=None,
+  recompute: bool = False,
+) -> MemoryReport:
+  """Per device, the bytes the runtime will hold for `plan`, by kind.
+
+  Args:
+    plan: the plan to run.
+    graph: the captured graph (default `plan.graph`); an abstract capture
+      (from `nnx.eval_shape`) is enough.
+    optimizer: the optax transformation the trainer will run (default
+      Adam: two moments and a count).
+    schedule: as for `graphpipe.Trainer` (default the plan's).
+    recompute: as for `graphpipe.Trainer`.
+  """
+  graph = graph if graph is not None else getattr(plan, "graph", None)
+  if graph is None or graph.program is None:
+    raise PipelineRuntimeError(
+      "the memory report needs the captured graph of the plan: "
+      "memory_report(plan, graphpipe.capture(...), optimizer)"
+    )
+  if schedule is None or isinstance(schedule, str):
+    schedule = schedule_for(plan, schedule)
+  check_schedule(schedule)
+  layout = build_layout(graph, plan, schedule)
+  builder = StepBuilder(
+    layout,
+    schedule,
+    graph.program,
+    recompute=recompute,
+    batch_size=plan.batch_size,
+  )
+  return runtime_report(
+    layout,
+    builder.buffers,
+    graph,
+    optimizer or optax.adam(1e-3),
+    builder.tables,
+  )
+
+
+def runtime_report(
+  layout: Layout, buf: Buffers, graph: OpGraph, optimizer, tables: dict
+) -> MemoryReport:
+  """The `MemoryReport` of a built layout, its buffers and tick tables."""
+  table_bytes = sum(t.nbytes for t in tables.values())
+  slots = tuple(
+    jax.ShapeDtypeStruct((n,), jnp.float32) for n in buf.params.sizes
+  )
+  opt_state = jax.eval_shape(optimizer.init, slots)
+  optimizer_bytes = sum(
+    x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state)
+  )
+  stage_of = [-1] * layout.num_devices
+  own = [0] * layout.num_devices
+  for s in layout.stages:
+    for d in s.devices:
+      stage_of[d], own[d] = s.id, layout.param_size(s.id)
+  holdings = Holdings(
+    param_elements=buf.params.total(),
+    state_elements=buf.state.total(),
+    optimizer_bytes=int(optimizer_bytes),
+    stash_elements=buf.act_slot * buf.act_slots
+    + buf.grad_slot * buf.grad_slots
+    + buf.res_slot * buf.res_slots
+    + 2 * buf.channel,
+    channel_elements=buf.channel * buf.channels,
+    batch_bytes=batch_bytes(
+      graph, layout.micro_batch_size * layout.num_microbatches
+    ),
+    work_bytes=max(work_bytes(graph, s.nodes, s.chunk) for s in layout.stages),
+    table_bytes=table_bytes,
+    replicas=max(len(s.devices) for s in layout.stages),
+    own_param_elements=tuple(own),
+    stages=tuple(stage_of),
+  )
+  return MemoryReport.from_holdings(holdings, "runtime")

@@ -1,0 +1,104 @@
+"""One memory rule: planner's bound, runtime's report, compiled step.
+
+The runtime's report (`graphpipe.memory_report`, from its own layout) must
+never be below what the compiled step uses and within 10% (or 1 MiB) of
+it; the planner's figure (`plan_memory`, from the graph) must never be
+below the runtime's; a plan over budget is refused with a `PlanError` that
+names the device, the bytes by kind and what to change.
+"""
+
+import dataclasses
+
+import optax
+import pytest
+
+import graphpipe
+from graphpipe import PlanError, Trainer
+from graphpipe.core.memory import KINDS, check_memory, plan_memory
+from tests.graphpipe import runtime_cases as rc
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(
+  "name,num_devices,planner,recompute",
+  [
+    ("two_branch", 8, "graphpipe", False),
+    ("dlrm", 8, "graphpipe", True),  # data-parallel stages
+    ("mmt", 4, "sequential", False),
+  ],
+)
+def test_prediction_bounds_the_compiled_step(
+  name, num_devices, planner, recompute
+):
+  plan = rc.pipeline_plan(name, num_devices, planner)
+  graph = rc.tiny_graph(name)
+  model, batch = rc.model_and_batch(name)
+  trainer = Trainer(plan, optax.adam(1e-2), graph=graph, recompute=recompute)
+  report = trainer.memory_report(trainer.init(model), batch)
+  compiled = report["compiled_bytes"]
+  for total in report["total_bytes_per_device"]:
+    assert compiled <= total <= compiled + max(0.1 * compiled, MIB)
+  # The same numbers without a trainer, before anything is allocated.
+  alone = graphpipe.memory_report(
+    plan, graph, optax.adam(1e-2), recompute=recompute
+  )
+  assert list(alone.totals) == report["total_bytes_per_device"]
+  # The planner sizes the same slots, and never counts less.
+  bound = plan_memory(graph, plan, recompute=recompute)
+  for mine, theirs in zip(alone.per_device, bound.per_device, strict=True):
+    assert set(mine) == set(KINDS)
+    assert mine["parameters"] == theirs["parameters"]
+    assert sum(mine.values()) <= sum(theirs.values())
+  assert alone.padding_fraction == pytest.approx(
+    bound.padding_fraction, rel=1e-4
+  )
+
+
+def test_padding_is_what_devices_hold_beyond_their_stage():
+  plan = rc.pipeline_plan("dlrm", 8, "graphpipe")
+  graph = rc.tiny_graph("dlrm")
+  report = graphpipe.memory_report(plan, graph, optax.sgd(0.1))
+  largest = max(
+    sum(graph.nodes[n].param_bytes for n in s.nodes) for s in plan.stages
+  )
+  # SGD keeps no slots: held = the largest stage's parameters everywhere.
+  assert set(report.held_bytes) == {largest}
+  for s in plan.stages:
+    own = sum(graph.nodes[n].param_bytes for n in s.nodes)
+    for d in s.devices:
+      assert report.own_bytes[d] == own
+      assert report.padding_bytes[d] == largest - own
+  assert report.padding_fraction == pytest.approx(
+    sum(report.padding_bytes) / (largest * plan.num_devices)
+  )
+
+
+def test_planner_refuses_plans_whose_padded_figure_is_over_budget():
+  graph = rc.tiny_graph("two_branch")
+  plan = graphpipe.plan(graph, 4, 16)
+  need = plan_memory(graph, plan).largest
+  # Each stage's own rule fits the budget; the padded figure does not.
+  with pytest.raises(PlanError) as info:
+    check_memory(graph, plan, need - 1)
+  message = str(info.value)
+  assert "device" in message and "parameters" in message
+  assert "more devices" in message and "recompute=True" in message
+  # The planner only returns plans that fit, by the same figure.
+  for budget in (need, 1.01 * need):
+    chosen = graphpipe.plan(graph, 4, 16, memory_bytes=budget)
+    assert plan_memory(graph, chosen).largest <= budget
+  with pytest.raises(PlanError, match="Without a limit, device .* holds"):
+    graphpipe.plan(graph, 4, 16, memory_bytes=need / 50)
+
+
+def test_memory_report_of_an_abstract_paper_model():
+  graph = graphpipe.models.capture_zoo("two_branch", "paper")
+  plan = graphpipe.plan(graph, 8, 8)
+  report = graphpipe.memory_report(plan, graph, optax.adam(1e-3))
+  bound = plan_memory(graph, plan)
+  assert report.largest <= bound.largest <= 16160 * MIB
+  assert 0 <= report.padding_fraction < 0.5
+  planned = dataclasses.replace(plan, graph=None)
+  with pytest.raises(graphpipe.GraphpipeError, match="captured graph"):
+    graphpipe.memory_report(planned)
