@@ -12,7 +12,8 @@ input, each ending in its own loss, losses summed: no join). The graphpipe
 plan puts one tower on each device (depth 1); the sequential plan chains the
 same two stages (depth 2), as a sequential pipeline must. Both run the same
 number of micro-batches through the same runtime, alternating step by step;
-measured_ratio is the median of (sequential / graphpipe) step-time pairs.
+measured_ratio is the median of (sequential / graphpipe) step-time pairs
+(measured_ratios, one per pair).
 predicted_ratio is the simulator's for the same plans, with node times
 profiled on one pinned core and the runtime's tick-by-tick execution
 (lockstep), transfers priced with the loopback collective latency measured
@@ -217,6 +218,7 @@ def main(argv):
       "xla_flags": os.environ.get("XLA_FLAGS", ""),
     },
     "measured_ratio": statistics.median(ratios),
+    "measured_ratios": ratios,
     "predicted_ratio": predicted["sequential"]["lockstep"]
     / predicted["graphpipe"]["lockstep"],
     "predicted_ratio_async": predicted["sequential"]["async"]

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
@@ -83,5 +85,10 @@ def test_bench_runtime_smoke(tmp_path):
   predicted = results["predicted_step_time_s"]
   assert 0 < predicted["graphpipe"] <= predicted["sequential"]
   assert results["predicted_ratio"] >= 1.0
-  assert all(0 < t < 10 for t in results["measured_step_time_s"].values())
-  assert 0 < results["measured_ratio"] < 10
+  # Measured times are wall clock on a shared machine (a benchmark's
+  # business): here only that they were measured and the ratio is theirs.
+  measured = results["measured_step_time_s"]
+  assert all(0 < t < 10 for t in measured.values())
+  pairs = results["measured_ratios"]
+  assert len(pairs) == 2 and all(r > 0 for r in pairs)
+  assert results["measured_ratio"] == pytest.approx(sum(pairs) / 2)
