@@ -25,6 +25,28 @@ def with_random_batch_norm(model, seed: int):
   return model
 
 
+def with_random_vit_weights(model, seed: int):
+  """Random LayerNorm scales and biases, class token and positions.
+
+  Their defaults (ones, zeros, zeros, near-zero) are the same on every
+  node, so a node reading another node's slice of them would go unseen.
+  """
+  from flax import nnx
+
+  from disco.transformer import DiscoLayerNorm
+
+  rng = np.random.default_rng(seed)
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, DiscoLayerNorm):
+      size = module.scale.shape[0]
+      module.scale[...] = rng.uniform(0.5, 1.5, size).astype(np.float32)
+      module.bias[...] = rng.normal(0.0, 0.5, size).astype(np.float32)
+  for variable in (model.cls_token, model.pos_embed):
+    shape = variable[...].shape
+    variable[...] = rng.normal(0.0, 0.5, shape).astype(np.float32)
+  return model
+
+
 def case():
   """A 2-node ResNet at r = 0.3 and two images, the same in every process."""
   from flax import nnx

@@ -57,11 +57,13 @@ def build(architecture: str, nodes: int, ratio: float):
   elif architecture == "vit":
     config = ViTConfig(num_nodes=nodes, dim=32, depth=1, mlp_dim=64)
     model = ViT(config, rngs=nnx.Rngs(nodes))
+    distributed_worker.with_random_vit_weights(model, 8)
   else:
     config = ViTConfig(
       num_nodes=nodes, dim=24, num_heads=3, depth=1, num_classes=7
     )
     model = ViT(config, rngs=nnx.Rngs(1))
+    distributed_worker.with_random_vit_weights(model, 9)
   prune.to_ratio(model, ratio)
   model.eval()
   return model

@@ -1,5 +1,6 @@
 """Training with gradual pruning, and the experiment end to end (tiny)."""
 
+import math
 import os
 import subprocess
 import sys
@@ -27,20 +28,22 @@ def test_fit_prunes_along_the_schedule_then_keeps_masks_fixed():
     model,
     DATASET.x_train,
     DATASET.y_train,
-    train.TrainConfig(epochs=3, group_lasso=1e-3),
+    train.TrainConfig(epochs=10, group_lasso=1e-3),
     schedule=schedule,
     progress=seen.append,
   )
-  assert len(losses) == 3 and len(seen) == 3 and "comm ratio" in seen[0]
+  assert len(losses) == 10 and len(seen) == 10 and "comm ratio" in seen[0]
   assert losses[-1] < losses[0]
   assert prune.comm_ratio(model) == pytest.approx(0.25, abs=0.02)
   masks = [g.kept().copy() for g in prune.mask_groups(model)]
   train.fit(
-    model, DATASET.x_train, DATASET.y_train, train.TrainConfig(epochs=1)
+    model, DATASET.x_train, DATASET.y_train, train.TrainConfig(epochs=10)
   )
   for before, group in zip(masks, prune.mask_groups(model), strict=True):
     np.testing.assert_array_equal(before, group.kept())
-  assert 0.0 <= train.accuracy(model, DATASET.x_test, DATASET.y_test) <= 1.0
+  # 10 classes, chance 0.1. Measured with Rngs(0..3): 0.61-0.67 (0.09-0.17
+  # after the 3 + 1 epochs this test used to train).
+  assert train.accuracy(model, DATASET.x_test, DATASET.y_test) >= 0.4
 
 
 def test_fit_needs_one_batch():
@@ -58,9 +61,10 @@ def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
   settings = disco_train.Settings(
     dataset="synthetic",
     seeds=1,
-    dense_epochs=1,
-    prune_epochs=1,
-    finetune_epochs=1,
+    dense_epochs=20,
+    prune_epochs=8,
+    finetune_epochs=8,
+    finetune_learning_rate=3e-3,
     sweep="0.1",
   )
   results = disco_train.run(settings, str(tmp_path))
@@ -86,6 +90,19 @@ def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
   assert ratio <= 0.35
   model = checkpoint.load(results["checkpoints"][0], expect="resnet")
   assert prune.comm_ratio(model) <= 0.2
+  # Every mask at the requested ratio (the layer budget's floor).
+  for group in prune.mask_groups(model):
+    want = math.floor(settings.comm_ratio * int(group.cross.sum()) + 1e-9)
+    assert int(group.kept().sum()) == want
+  # Accuracy on 128 held-out images of 10 classes (chance 0.1). Measured
+  # with first_seed 0..3 (this test runs seed 0): dense 0.953-0.992,
+  # DISCO at r = 0.2 0.047-0.063 below dense, 0.125-0.234 above no
+  # communication; the sweep's r = 0.1 0.80-0.91. (1 + 1 + 1 epochs,
+  # which this test used to train, gave 0.04-0.2 for all of them.)
+  assert results["quality_dense"] >= 0.8
+  assert results["quality_disco"] >= results["quality_dense"] - 0.15
+  assert results["quality_disco"] >= results["quality_no_comm"] + 0.05
+  assert rows[0]["quality"] >= 0.5
 
 
 def test_experiment_refuses_a_ratio_outside_0_1(tmp_path):
