@@ -1,6 +1,7 @@
 """experiments.train and experiments.bench_runtime run end to end."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -88,7 +89,7 @@ def test_bench_runtime_smoke(tmp_path):
   # Measured times are wall clock on a shared machine (a benchmark's
   # business): here only that they were measured and the ratio is theirs.
   measured = results["measured_step_time_s"]
-  assert all(0 < t < 10 for t in measured.values())
+  assert all(0 < t < math.inf for t in measured.values())
   pairs = results["measured_ratios"]
   assert len(pairs) == 2 and all(r > 0 for r in pairs)
   assert results["measured_ratio"] == pytest.approx(sum(pairs) / 2)
