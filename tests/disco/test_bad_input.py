@@ -26,6 +26,7 @@ from disco.errors import (
 )
 from disco.layers import DiscoConv, DiscoDense
 from disco.models import ResNet, ResNetConfig
+from tests.bad_input_table import table_tests
 
 
 def dense():
@@ -389,17 +390,7 @@ def _write(c, name, raw):
   return path
 
 
-@pytest.mark.parametrize(
-  "case, error, pattern", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS]
-)
-def test_bad_input_is_refused_clearly(ctx, case, error, pattern):
-  with pytest.raises(error, match=pattern):
-    case(ctx)
-
-
-def test_row_ids_are_unique():
-  ids = [r[0] for r in ROWS]
-  assert len(ids) == len(set(ids))
+test_bad_input_is_refused_clearly, test_row_ids_are_unique = table_tests(ROWS)
 
 
 def test_nan_inputs_propagate_as_documented():
