@@ -6,6 +6,7 @@ import functools
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from graphpipe import models, tightest_plan
@@ -92,3 +93,26 @@ def max_rel_error(got: dict, want: dict) -> float:
     / (float(np.max(np.abs(np.asarray(want[k])))) + 1e-12)
     for k in want
   )
+
+
+def assert_trains_exactly(name, trainer, model, batches, optimizer):
+  """The pipelined loss and gradients on `batches[0]`, then one step per
+  batch, equal plain JAX's (`reference_loss_and_grads`,
+  `reference_training`) within 1e-5.
+
+  Returns:
+    (the trained state, plain JAX's parameters after the same steps).
+  """
+  state = trainer.init(model)
+  loss, grads = trainer.loss_and_grads(state, batches[0])
+  want_loss, want_grads = reference_loss_and_grads(name, model, batches[0])
+  assert loss == pytest.approx(want_loss, rel=1e-5)
+  assert max_rel_error(grads, want_grads) < 1e-5
+  losses = []
+  for b in batches:
+    state, metrics = trainer.step(state, b)
+    losses.append(metrics["loss"])
+  want_losses, want_params = reference_training(name, model, batches, optimizer)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  assert max_rel_error(trainer.params(state), want_params) < 1e-5
+  return state, want_params

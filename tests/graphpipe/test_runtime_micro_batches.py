@@ -95,20 +95,7 @@ def test_unequal_sizes_equal_plain_jax(case):
   assert trainer.schedule.stage_microbatches == tuple(
     batch_size // b for b in sizes
   )
-  state = trainer.init(model)
-  loss, grads = trainer.loss_and_grads(state, batches[0])
-  want_loss, want_grads = rc.reference_loss_and_grads(name, model, batches[0])
-  assert loss == pytest.approx(want_loss, rel=1e-5)
-  assert rc.max_rel_error(grads, want_grads) < 1e-5
-  losses = []
-  for b in batches:
-    state, metrics = trainer.step(state, b)
-    losses.append(metrics["loss"])
-  want_losses, want_params = rc.reference_training(
-    name, model, batches, optimizer
-  )
-  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-  assert rc.max_rel_error(trainer.params(state), want_params) < 1e-5
+  rc.assert_trains_exactly(name, trainer, model, batches, optimizer)
 
 
 def test_a_twice_larger_stage_collects_two_pieces_and_returns_two():
