@@ -199,19 +199,28 @@ class StepBuilder(StageCode):
       sends = sends.at[channel].set(packing.pad_to(piece, self.buffers.channel))
     return sends
 
+  def _stage_inputs(self, ops, stage, device):
+    """A stage's trainable and frozen variables and its batch rows."""
+    trainable, frozen = self._read_variables(ops, stage)
+    rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
+    return trainable, frozen, rows
+
+  def _stage_acts(self, ops, stage):
+    """A stage's input activations, read from this tick's stash slot."""
+    return lax.dynamic_slice_in_dim(
+      ops.act, ops.act_slot * self.buffers.act_slot, self.layout.in_size(stage)
+    )
+
   def _forward_branch(self, device):
     stage = self.device_stage[device]
-    lay, buf = self.layout, self.buffers
-    in_size, out_offsets = lay.in_size(stage), lay.out_offsets(stage)
+    buf = self.buffers
+    out_offsets = self.layout.out_offsets(stage)
     weight = self._loss_weight(stage)
     f = self.stage_function(stage)
 
     def branch(ops):
-      trainable, frozen = self._read_variables(ops, stage)
-      acts = lax.dynamic_slice_in_dim(
-        ops.act, ops.act_slot * buf.act_slot, in_size
-      )
-      rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
+      trainable, frozen, rows = self._stage_inputs(ops, stage, device)
+      acts = self._stage_acts(ops, stage)
       if self.recompute:
         out, stage_loss = f({**trainable, **frozen}, acts, rows)
         kept = None
@@ -237,12 +246,9 @@ class StepBuilder(StageCode):
     f = self.stage_function(stage)
 
     def branch(ops):
-      trainable, frozen = self._read_variables(ops, stage)
-      rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
+      trainable, frozen, rows = self._stage_inputs(ops, stage, device)
       if self.recompute:
-        acts = lax.dynamic_slice_in_dim(
-          ops.act, ops.act_slot * buf.act_slot, in_size
-        )
+        acts = self._stage_acts(ops, stage)
         _, vjp = jax.vjp(
           lambda p, a: f({**p, **frozen}, a, rows), trainable, acts
         )
@@ -277,17 +283,14 @@ class StepBuilder(StageCode):
   def _fused_branch(self, device):
     """A sink stage's forward and backward at once (`tables.fuse_ticks`)."""
     stage = self.device_stage[device]
-    lay, buf = self.layout, self.buffers
-    in_size, in_offsets = lay.in_size(stage), lay.in_offsets(stage)
+    buf = self.buffers
+    in_offsets = self.layout.in_offsets(stage)
     weight = self._loss_weight(stage)
     f = self.stage_function(stage)
 
     def branch(ops):
-      trainable, frozen = self._read_variables(ops, stage)
-      acts = lax.dynamic_slice_in_dim(
-        ops.act, ops.act_slot * buf.act_slot, in_size
-      )
-      rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
+      trainable, frozen, rows = self._stage_inputs(ops, stage, device)
+      acts = self._stage_acts(ops, stage)
       (out, stage_loss), vjp = jax.vjp(
         lambda p, a: f({**p, **frozen}, a, rows), trainable, acts
       )
