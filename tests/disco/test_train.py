@@ -119,3 +119,28 @@ def test_experiment_refuses_a_ratio_outside_0_1(tmp_path):
   assert run.returncode != 0
   assert "error: communication ratio must be in [0, 1]" in run.stderr
   assert "Traceback" not in run.stderr
+
+
+def test_flags_left_out_take_the_tasks_measured_settings(tmp_path):
+  measured = disco_train.Settings.for_task("detect")
+  assert (measured.dataset, measured.seeds, measured.finetune_epochs) == (
+    "shapes",
+    4,
+    40,
+  )
+  assert disco_train.Settings.for_task("classify") == disco_train.Settings()
+  with pytest.raises(DiscoError, match="unknown task"):
+    disco_train.Settings.for_task("translate")
+  # Through the flags: --num_nodes given wins, the rest is the task's; a
+  # bad ratio stops the run right after the settings are logged.
+  run = subprocess.run(
+    [sys.executable, "-m", "experiments.disco_train", "--task=superres"]
+    + ["--num_nodes=2", "--comm_ratio=-1", f"--out={tmp_path}"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert run.returncode != 0
+  assert "num_nodes=2" in run.stderr
+  assert "width=18" in run.stderr and "group_lasso=0.0" in run.stderr
