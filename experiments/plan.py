@@ -57,6 +57,7 @@ def run(
   out: str,
   plots: bool = True,
   profiled: bool = False,
+  padding_tolerance: float | None = None,
 ) -> dict:
   """Captures, plans, schedules and simulates; writes DIR's files.
 
@@ -73,6 +74,8 @@ def run(
     device: a device preset ('v100', 'a100', 'h100', 'h200', 'cpu').
     out: the output folder (created).
     plots: draw schedule.png (skipped with a note without matplotlib).
+    profiled: time the nodes on this machine's device.
+    padding_tolerance: `graphpipe.plan`'s (None: its default, 0.05).
 
   Returns:
     The dict written to results.json.
@@ -102,6 +105,7 @@ def run(
     planner=planner,
     device=device,
     profiled=profiled,
+    padding_tolerance=padding_tolerance,
   )
   common.log(f"{plan}\n[3/4] simulated: {report}")
   memory = memory_figures(plan, graph)
@@ -122,6 +126,7 @@ def run(
       "planner": planner,
       "device": device,
       "cost_model": "profiled" if profiled else "analytic",
+      "padding_tolerance": padding_tolerance,
     },
     "in_flight": list(schedule.in_flight),
     "peak_stash": list(report.peak_stash),
@@ -208,6 +213,12 @@ def define_flags() -> None:
     "Time each node on this machine's device (cached under "
     "~/.cache/graphpipe) instead of the analytic estimate.",
   )
+  flags.DEFINE_float(
+    "padding_tolerance",
+    None,
+    "How much slower a less padded plan may be and still win (a share of "
+    "the fastest plan's time); default the planner's 0.05, 0 = time alone.",
+  )
   flags.DEFINE_string("out", None, "Output folder.", required=True)
 
 
@@ -225,6 +236,7 @@ def main(argv):
       out=options.out,
       plots=options.plots,
       profiled=options.profiled,
+      padding_tolerance=options.padding_tolerance,
     )
   except GraphpipeError as err:
     raise SystemExit(f"experiments.plan: {err}") from err

@@ -186,10 +186,23 @@ def draw(results, out: str) -> list[str]:
   def per_stage(fig):
     rows = results["per_stage"]["rows"]
     axes = fig.add_subplot()
+    at = range(len(rows))
     axes.bar(
-      [f"{r['model']}\n{r['num_devices']}" for r in rows],
+      [x - 0.2 for x in at],
       [r["speedup"] for r in rows],
+      width=0.4,
+      label="padding trade (default)",
     )
+    axes.bar(
+      [x + 0.2 for x in at],
+      [r["speedup_time_only"] for r in rows],
+      width=0.4,
+      label="time alone",
+    )
+    axes.set_xticks(
+      list(at), [f"{r['model']}\n{r['num_devices']}" for r in rows]
+    )
+    axes.legend(fontsize=7)
     axes.axhline(1.0, color="grey", linewidth=0.8)
     axes.set_ylabel("per-stage sizes / one size")
     axes.tick_params(axis="x", labelsize=6)

@@ -93,6 +93,7 @@ def plan(
   per_stage_micro_batches: bool = False,
   piper_budget: int = PIPER_BUDGET,
   memory_kinds: Sequence[str] = KINDS,
+  padding_tolerance: float | None = None,
 ) -> Plan:
   """A stage graph for `graph` on `num_devices` devices.
 
@@ -139,6 +140,9 @@ def plan(
     memory_kinds: the kinds of `graphpipe.core.memory.KINDS` that
       `memory_bytes` bounds (default all: what the runtime's step holds on
       each device, `graphpipe.core.memory.plan_memory`).
+    padding_tolerance: how much slower (a share of the fastest simulated
+      plan's time) a plan whose devices hold less padding may be and still
+      win; default `PADDING_TOLERANCE` (0.05). 0 ranks by time alone.
 
   Raises:
     PlanError: no plan fits (the message names the smallest per-device
@@ -157,6 +161,14 @@ def plan(
     raise PlanError(
       f"memory_bytes must be a number > 0 (per device), got {memory_bytes!r}"
     )
+  if padding_tolerance is None:
+    padding_tolerance = PADDING_TOLERANCE
+  if not isinstance(padding_tolerance, int | float) or not (
+    padding_tolerance >= 0
+  ):
+    raise PlanError(
+      f"padding_tolerance must be a number >= 0, got {padding_tolerance!r}"
+    )
   sizes = _micro_batch_sizes(batch_size, micro_batch_sizes)
   per_stage = per_stage_micro_batches and planner == "graphpipe"
   best = _search(
@@ -170,6 +182,7 @@ def plan(
     per_stage=per_stage,
     piper_budget=piper_budget,
     memory_kinds=memory_kinds,
+    padding_tolerance=padding_tolerance,
   )
   if best is None:
     # The partitioners bound memory conservatively (non-series-parallel
@@ -177,7 +190,9 @@ def plan(
     # searched without the limit may fit where the bounded search found
     # none (tests/graphpipe/test_random_graphs.py found such graphs).
     args = (graph, num_devices, batch_size, planner, cost_model)
-    unlimited = _search(*args, math.inf, sizes)
+    unlimited = _search(
+      *args, math.inf, sizes, padding_tolerance=padding_tolerance
+    )
     if unlimited is None or (
       plan_memory(graph, unlimited).largest_of(memory_kinds) > memory_bytes
     ):
@@ -243,8 +258,11 @@ def _search(
   per_stage: bool = False,
   piper_budget: int = PIPER_BUDGET,
   memory_kinds: Sequence[str] = KINDS,
+  padding_tolerance: float | None = None,
 ) -> Plan | None:
   """The fastest candidate plan (see the module docstring), or None."""
+  if padding_tolerance is None:
+    padding_tolerance = PADDING_TOLERANCE
   costs = StageCosts(graph, cost_model, batch_size, num_devices, memory_bytes)
   partition = _partitioner(graph, planner, costs, piper_budget)
   fingerprint = graph_fingerprint(graph)
@@ -345,11 +363,11 @@ def _search(
   # (rarely a little over): simulate the schedule each plan will run, best
   # estimate first, until the next estimate is no better than the fastest
   # simulated plan (or the simulation budget is spent).
-  # Plans within PADDING_TOLERANCE of the fastest are simulated too: of
+  # Plans within `padding_tolerance` of the fastest are simulated too: of
   # those, the one whose devices hold the least padding wins (every device
   # holds slots the size of the largest stage's parameters).
   best, budget, timed, close = None, _SIMULATED_ACTIONS, set(), []
-  slack = 1.0  # 1 + PADDING_TOLERANCE once the fastest plan pads much
+  slack = 1.0  # 1 + padding_tolerance once the fastest plan pads much
   for c in found:
     if best is not None and (
       c[0] >= best[0] * slack or len(timed) == _SIMULATED_PLANS
@@ -369,7 +387,7 @@ def _search(
       best = (seconds, *c[1:])
       padding = sum(plan_memory(graph, c[3]).padding_bytes)
       heavy = padding >= PADDING_MIN_BYTES * c[3].num_devices
-      slack = 1 + PADDING_TOLERANCE if heavy else 1.0
+      slack = 1 + padding_tolerance if heavy else 1.0
   if slack == 1.0:  # else padding to 0.01, then time
     return best[3]
   return min(

@@ -24,6 +24,7 @@ def plan_and_simulate(
   planner: str = "graphpipe",
   device: str = "v100",
   profiled: bool = False,
+  **plan_options,
 ) -> tuple[Plan, Schedule, Report]:
   """Plans `graph`, builds the plan's schedule and simulates one iteration.
 
@@ -45,6 +46,8 @@ def plan_and_simulate(
       instead of the analytic estimate; the preset still gives links,
       memory and the optimizer. Meaningful when the preset describes the
       device at hand (e.g. 'cpu' here, 'h200' on an H200).
+    **plan_options: more options of `graphpipe.plan` (e.g.
+      `padding_tolerance`, `per_stage_micro_batches`).
   """
   cost_model = AnalyticCostModel(device_spec(device))
   if profiled:
@@ -56,6 +59,7 @@ def plan_and_simulate(
     planner=planner,
     device=device,
     cost_model=cost_model,
+    **plan_options,
   )
   schedule = schedule_for(chosen)
   return chosen, schedule, simulate(chosen, graph, cost_model, schedule)

@@ -290,6 +290,11 @@ ROWS = [
         "smallest per-device memory that fits",
       ),
       (
+        "padding-tolerance-negative",
+        lambda c: graphpipe.plan(c.graph, 2, 16, padding_tolerance=-0.1),
+        "padding_tolerance must be a number >= 0",
+      ),
+      (
         "planner-unknown",
         lambda c: graphpipe.plan(c.graph, 2, 16, planner="magic"),
         "unknown planner",

@@ -95,3 +95,18 @@ def test_the_paper_case_study_plans_are_one_block_per_stage():
   assert plans["sequential"].depth == plans["sequential"].num_stages == 8
   assert plans["graphpipe"].num_stages == 8
   assert plans["graphpipe"].depth == 5  # the head shares a branch's stage
+
+
+def test_per_stage_sizes_are_reported_with_and_without_the_padding_trade(
+  results,
+):
+  found, out = results
+  rows = found["per_stage"]["rows"]
+  assert rows
+  for r in rows:
+    assert r["speedup_time_only"] == pytest.approx(
+      r["per_stage_time_only"] / r["uniform_time_only"]
+    )
+  text = (out / "REPRODUCTION.md").read_text()
+  assert "Ours, by time alone:" in text
+  assert f"{rows[0]['speedup_time_only']:.2f}x" in text
