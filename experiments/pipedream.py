@@ -376,6 +376,37 @@ def run_check(
   return rows
 
 
+def reproduce_rows(setup, through: dict, par: dict, progress) -> dict:
+  """`experiments.reproduce`'s `pipedream_check`: PipeDream's partitions
+  against the sequential plans it already made (`through`: throughput,
+  `par`: parity; rows carry their `plan`)."""
+  rows = []
+  model = setup.cost_model()
+  made = {
+    (r["model"], r["num_devices"]): r
+    for r in through["rows"] + par["rows"]
+    if r["planner"] == "sequential" and "plan" in r
+  }
+  for name in ("mmt", "candle_uno", "transformer"):
+    for devices in [d for d in setup.devices if d <= 16]:
+      ours = made.get((name, devices))
+      if ours is None:
+        continue
+      found = check(
+        setup.graph(name), devices, ours["batch_size"], model, ours["plan"]
+      )
+      row = dataclasses.asdict(found)
+      row["model"] = name
+      row["pipedream_speedup"] = found.pipedream_speedup
+      row["passes"] = found.pipedream_speedup <= 1.02
+      rows.append(row)
+      progress.step(
+        f"PipeDream {name} {devices}: {found.pipedream_speedup:.3f} of "
+        "sequential"
+      )
+  return {"rows": rows}
+
+
 def define_flags() -> None:
   """This experiment's flags (defined when run, so tests import freely)."""
   common.define_flags()

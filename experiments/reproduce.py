@@ -364,35 +364,6 @@ def per_stage(setup: Setup, through: dict, progress) -> dict:
   return {"rows": out}
 
 
-def pipedream_check(setup: Setup, through: dict, par: dict, progress) -> dict:
-  """PipeDream's partitions against the sequential plans already made."""
-  rows = []
-  model = setup.cost_model()
-  made = {
-    (r["model"], r["num_devices"]): r
-    for r in through["rows"] + par["rows"]
-    if r["planner"] == "sequential" and "plan" in r
-  }
-  for name in ("mmt", "candle_uno", "transformer"):
-    for devices in [d for d in setup.devices if d <= 16]:
-      ours = made.get((name, devices))
-      if ours is None:
-        continue
-      found = pipedream.check(
-        setup.graph(name), devices, ours["batch_size"], model, ours["plan"]
-      )
-      row = dataclasses.asdict(found)
-      row["model"] = name
-      row["pipedream_speedup"] = found.pipedream_speedup
-      row["passes"] = found.pipedream_speedup <= 1.02
-      rows.append(row)
-      progress.step(
-        f"PipeDream {name} {devices}: {found.pipedream_speedup:.3f} of "
-        "sequential"
-      )
-  return {"rows": rows}
-
-
 def _note(row: dict) -> str:
   head = f"{row['model']} {row['num_devices']} {row['planner']}"
   if "error" in row:
@@ -424,7 +395,7 @@ def run(setup: Setup, out: str, plots: bool = True) -> dict:
   results["case_study"] = case_study(setup, progress)
   results["parity"] = parity(setup, progress)
   results["per_stage"] = per_stage(setup, through, progress)
-  results["pipedream_check"] = pipedream_check(
+  results["pipedream_check"] = pipedream.reproduce_rows(
     setup, through, results["parity"], progress
   )
   for key in ("throughput", "branch_sweep", "case_study", "parity"):

@@ -8,10 +8,11 @@ are those of ../shared/PAPERS.md (GraphPipe, Jeon et al., ASPLOS 2025).
 from __future__ import annotations
 
 from experiments.paper import PAPER
-
-
-def _ratio(x) -> str:
-  return "n/a" if x is None else f"{x:.2f}x"
+from experiments.reproduction_extras import (
+  per_stage_section,
+  pipedream_section,
+)
+from experiments.reproduction_extras import ratio as _ratio
 
 
 def _rows(results, figure, **match):
@@ -390,88 +391,6 @@ def parity_section(results) -> list[str]:
     lines.append(
       f"Ours: GraphPipe within {worst:.1%} of sequential at every device "
       "count (the paper: it matches)."
-    )
-  return lines
-
-
-def per_stage_section(results) -> list[str]:
-  rows = results["per_stage"]["rows"]
-  lines = [
-    "## Per-stage micro-batch sizes (`per_stage`, per_stage.png)",
-    "",
-    "Paper: an optional extension, no numbers given.",
-    "",
-    "Samples/s with the planner's default padding trade (the least padded "
-    "plan within 5% of the fastest), then ranked by time alone "
-    "(`padding_tolerance=0`).",
-    "",
-    "| model | devices | one size | per-stage sizes | sizes | speed-up "
-    "| time alone: one size | per-stage | sizes | speed-up |",
-    "|---|---|---|---|---|---|---|---|---|---|",
-  ]
-  for r in rows:
-    lines.append(
-      f"| {r['model']} | {r['num_devices']} | {r['uniform']:.4g} | "
-      f"{r['per_stage']:.4g} | {r['micro_batch_sizes']} | "
-      f"{_ratio(r['speedup'])} | {r['uniform_time_only']:.4g} | "
-      f"{r['per_stage_time_only']:.4g} | "
-      f"{r['micro_batch_sizes_time_only']} | "
-      f"{_ratio(r['speedup_time_only'])} |"
-    )
-  lines.append("")
-  for label, sizes, speedup in (
-    ("Ours, with the padding trade:", "micro_batch_sizes", "speedup"),
-    (
-      "Ours, by time alone:",
-      "micro_batch_sizes_time_only",
-      "speedup_time_only",
-    ),
-  ):
-    won = [r for r in rows if len(r[sizes]) > 1]
-    ratios = [r[speedup] for r in rows]
-    lines.append(
-      f"{label} the planner picks unequal sizes in {len(won)} of "
-      f"{len(rows)} configurations"
-      + (f", best {max(r[speedup] for r in won):.3f}x" if won else "")
-      + (
-        f"; per-stage / one size {min(ratios):.3f}-{max(ratios):.3f}x."
-        if ratios
-        else "."
-      )
-    )
-  lines.append(
-    "(With the trade, a per-stage search that ranks more candidates may "
-    "settle on a less padded plan up to 5% slower.) The Trainer runs "
-    "unequal sizes exactly like one-size plans (a stage k times larger "
-    "collects k forwards and returns its gradients in k pieces)."
-  )
-  return lines
-
-
-def pipedream_section(results) -> list[str]:
-  rows = results["pipedream_check"]["rows"]
-  lines = [
-    "## PipeDream's own partitioner against `sequential` "
-    "(`pipedream_check`, pipedream_check.png)",
-    "",
-    "Not a paper figure: the check that our baseline is PipeDream-grade. "
-    "Each PipeDream partition (its published DP, every micro-batch size, "
-    "both tie rules) is simulated; the table gives the fastest.",
-    "",
-    "| model | devices | PipeDream / sequential speed | within 2% |",
-    "|---|---|---|---|",
-  ]
-  for r in rows:
-    lines.append(
-      f"| {r['model']} | {r['num_devices']} | {r['pipedream_speedup']:.3f} | "
-      f"{'yes' if r['passes'] else 'NO'} |"
-    )
-  lines.append("")
-  if rows:
-    lines.append(
-      f"{sum(r['passes'] for r in rows)} of {len(rows)} configurations: no "
-      "PipeDream partition simulates more than 2% faster than "
-      "`sequential`'s plan."
     )
   return lines
 

@@ -42,11 +42,7 @@ from graphpipe.core.memory import (
   plan_memory,
 )
 from graphpipe.core.stages import Plan
-from graphpipe.costs import (
-  AnalyticCostModel,
-  DeviceSpec,
-  device_spec,
-)
+from graphpipe.costs import AnalyticCostModel, DeviceSpec, device_spec
 from graphpipe.errors import PlanError
 from graphpipe.planning import baselines
 from graphpipe.planning.assemble import assemble, spend_spare_devices
@@ -62,11 +58,7 @@ from graphpipe.planning.stage_costs import (
 )
 from graphpipe.simulator.engine import simulate
 
-__all__ = [
-  "PLANNERS",
-  "plan",
-  "tightest_plan",
-]
+__all__ = ["PLANNERS", "plan", "tightest_plan"]
 
 PLANNERS = ("graphpipe", "sequential", "gpipe", "piper")
 # Simulation budget per search, in actions (~50 us each: about a second),
@@ -150,7 +142,9 @@ def plan(
       arguments.
   """
   start = time.perf_counter()
-  _check_arguments(graph, num_devices, batch_size, planner)
+  if padding_tolerance is None:
+    padding_tolerance = PADDING_TOLERANCE
+  _check_arguments(graph, num_devices, batch_size, planner, padding_tolerance)
   if cost_model is None:
     spec = device_spec(device) if isinstance(device, str) else device
     cost_model = AnalyticCostModel(spec)
@@ -160,14 +154,6 @@ def plan(
   if not isinstance(memory_bytes, int | float) or not memory_bytes > 0:
     raise PlanError(
       f"memory_bytes must be a number > 0 (per device), got {memory_bytes!r}"
-    )
-  if padding_tolerance is None:
-    padding_tolerance = PADDING_TOLERANCE
-  if not isinstance(padding_tolerance, int | float) or not (
-    padding_tolerance >= 0
-  ):
-    raise PlanError(
-      f"padding_tolerance must be a number >= 0, got {padding_tolerance!r}"
     )
   sizes = _micro_batch_sizes(batch_size, micro_batch_sizes)
   per_stage = per_stage_micro_batches and planner == "graphpipe"
@@ -206,7 +192,9 @@ def plan(
   )
 
 
-def _check_arguments(graph, num_devices, batch_size, planner) -> None:
+def _check_arguments(
+  graph, num_devices, batch_size, planner, padding_tolerance=0.0
+) -> None:
   if planner not in PLANNERS:
     raise PlanError(
       f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}"
@@ -217,6 +205,12 @@ def _check_arguments(graph, num_devices, batch_size, planner) -> None:
     raise PlanError(f"batch_size must be a positive int, got {batch_size!r}")
   if not graph.nodes:
     raise PlanError("the graph has no nodes: capture a model first")
+  if not isinstance(padding_tolerance, int | float) or not (
+    padding_tolerance >= 0
+  ):
+    raise PlanError(
+      f"padding_tolerance must be a number >= 0, got {padding_tolerance!r}"
+    )
 
 
 def _micro_batch_sizes(
@@ -258,11 +252,9 @@ def _search(
   per_stage: bool = False,
   piper_budget: int = PIPER_BUDGET,
   memory_kinds: Sequence[str] = KINDS,
-  padding_tolerance: float | None = None,
+  padding_tolerance: float = PADDING_TOLERANCE,
 ) -> Plan | None:
   """The fastest candidate plan (see the module docstring), or None."""
-  if padding_tolerance is None:
-    padding_tolerance = PADDING_TOLERANCE
   costs = StageCosts(graph, cost_model, batch_size, num_devices, memory_bytes)
   partition = _partitioner(graph, planner, costs, piper_budget)
   fingerprint = graph_fingerprint(graph)

@@ -1,0 +1,190 @@
+"""The settings of `experiments.disco_train`: one dataclass, one flag each.
+
+`Settings` defaults are the digits run; `TASK_SETTINGS` holds, per task and
+dataset, the settings of the runs BUILD.md reports, which the command line
+uses for every flag it is not given (`Settings.for_task`).
+"""
+
+import dataclasses
+
+from absl import flags
+
+from disco import data, prune
+from disco.errors import DiscoError
+from experiments import common
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """Everything one run depends on; the defaults are the digits run.
+
+  Example:
+    >>> Settings(seeds=1).width
+    8
+
+  Args:
+    task: "classify", "superres", "segment" or "detect".
+    model: the classifier, "resnet" or "vit" (other tasks have one).
+    dataset: a dataset of the task (`disco.data.TASKS`).
+    data_dir: the CIFAR-10 python batch folder.
+    image_size: side of the classification images.
+    test_fraction: share of digits / mnist held out for testing.
+    validation_fraction: share of the training split held out to choose.
+    scale: super-resolution factor.
+    patches: super-resolution training patches.
+    scenes: shape scenes (a quarter for testing).
+    width: the model's base width.
+    num_nodes: nodes every layer is split over.
+    comm_ratio: kept cross-node channel groups of the DISCO model.
+    sweep: comma-separated ratios for the quality-vs-bytes sweep.
+    tolerance: largest validation drop from dense the sweep's choice may
+      have (metric units).
+    budget: "layer" or "global" pruning budget.
+    seeds: number of seeds.
+    first_seed: seeds first_seed .. first_seed + seeds - 1.
+    dense_epochs: epochs of dense training.
+    prune_epochs: epochs of gradual pruning (from the dense model).
+    finetune_epochs: epochs with the masks fixed, after pruning.
+    prune_every: training steps between pruning updates.
+    batch_size: examples per step.
+    learning_rates: comma-separated peak learning rates of dense training;
+      the best on validation is used.
+    finetune_learning_rate: peak learning rate of pruning + fine-tuning.
+    weight_decay: AdamW weight decay.
+    group_lasso: weight of the group-lasso term while pruning.
+  """
+
+  task: str = "classify"
+  model: str = "resnet"
+  dataset: str = "digits"
+  data_dir: str = ""
+  image_size: int = 16
+  test_fraction: float = 0.4
+  validation_fraction: float = 0.15
+  scale: int = 2
+  patches: int = 2000
+  scenes: int = 2000
+  width: int = 8
+  num_nodes: int = 2
+  comm_ratio: float = 0.2
+  sweep: str = ""
+  tolerance: float = 0.01
+  budget: str = "layer"
+  seeds: int = 3
+  first_seed: int = 0
+  dense_epochs: int = 30
+  prune_epochs: int = 15
+  finetune_epochs: int = 15
+  prune_every: int = 5
+  batch_size: int = 64
+  learning_rates: str = "0.003"
+  finetune_learning_rate: float = 1e-3
+  weight_decay: float = 1e-4
+  group_lasso: float = 1e-3
+
+  @classmethod
+  def for_task(cls, task: str, dataset: str | None = None, **given):
+    """The measured settings of `task` (BUILD.md), then `given` on top.
+
+    A task's first dataset is its default. Settings a task has no entry
+    for in `TASK_SETTINGS` are the dataclass defaults (the digits run).
+
+    Example:
+      >>> s = Settings.for_task("superres")
+      >>> s.dataset, s.num_nodes, s.group_lasso
+      ('photos', 3, 0.0)
+      >>> Settings.for_task("superres", num_nodes=2).num_nodes
+      2
+    """
+    if task not in data.TASKS:
+      raise DiscoError(
+        f"unknown task {task!r}; tasks: {', '.join(sorted(data.TASKS))}"
+      )
+    dataset = dataset or data.TASKS[task][0]
+    measured = TASK_SETTINGS.get((task, dataset), {})
+    return cls(task=task, dataset=dataset, **{**measured, **given})
+
+  def ratios(self) -> list[float]:
+    """The sweep's ratios, checked."""
+    values = [float(v) for v in self.sweep.split(",") if v.strip()]
+    for value in values:
+      prune.check_ratio(value)
+    return values
+
+
+# Per (task, dataset), the settings of the runs BUILD.md reports (its
+# "Every task" table): the schedules each task needs to separate the
+# variants, measured on the 2-core development machine. Super-resolution
+# runs on 3 nodes without the group-lasso term (on 2 nodes no communication
+# is within 0.3 dB of dense; the term costs PSNR there).
+TASK_SETTINGS = {
+  ("classify", "mnist"): dict(
+    width=16,
+    dense_epochs=10,
+    prune_epochs=15,
+    finetune_epochs=20,
+    seeds=2,
+    tolerance=0.01,
+  ),
+  ("superres", "photos"): dict(
+    patches=2000,
+    width=18,
+    num_nodes=3,
+    batch_size=16,
+    dense_epochs=8,
+    prune_epochs=3,
+    finetune_epochs=3,
+    seeds=2,
+    learning_rates="0.002",
+    tolerance=0.1,
+    group_lasso=0.0,
+  ),
+  ("segment", "shapes"): dict(
+    scenes=2000,
+    width=8,
+    batch_size=8,
+    dense_epochs=30,
+    prune_epochs=10,
+    finetune_epochs=20,
+    seeds=2,
+    tolerance=0.02,
+  ),
+  ("detect", "shapes"): dict(
+    scenes=2000,
+    width=8,
+    batch_size=8,
+    dense_epochs=30,
+    prune_epochs=15,
+    finetune_epochs=40,
+    seeds=4,
+    tolerance=0.02,
+  ),
+}
+
+
+def define_flags() -> None:
+  """One flag per setting (help from the `Settings` docstring), --out."""
+  choices = {
+    "task": sorted(data.TASKS),
+    "model": ["resnet", "vit"],
+    "dataset": sorted({n for names in data.TASKS.values() for n in names}),
+    "budget": list(prune.BUDGETS),
+  }
+  helps = dict(
+    line.strip().split(": ", 1)
+    for line in Settings.__doc__.split("Args:")[1].splitlines()
+    if line.startswith("    ") and not line.startswith("      ")
+  )
+  defaults = Settings()
+  for field in dataclasses.fields(Settings):
+    name, default = field.name, getattr(defaults, field.name)
+    if name in choices:
+      flags.DEFINE_enum(name, default, choices[name], helps[name])
+    elif isinstance(default, str):
+      flags.DEFINE_string(name, default, helps[name])
+    elif isinstance(default, int):
+      flags.DEFINE_integer(name, default, helps[name])
+    else:
+      flags.DEFINE_float(name, default, helps[name])
+  flags.DEFINE_string("out", None, "Output folder.", required=True)
+  common.define_flags()
