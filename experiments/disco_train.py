@@ -40,10 +40,15 @@ from flax import nnx
 
 from disco import checkpoint, data, metrics, prune, tasks, train
 from disco.errors import DiscoError
-from experiments import common
-from experiments.disco_settings import Settings, define_flags
+from experiments import common, disco_settings
+from experiments.disco_settings import Settings
 
 VARIANTS = ("dense", "disco", "random", "no_comm")
+
+
+def define_flags() -> None:
+  """One flag per setting, --out (`experiments.disco_settings`)."""
+  disco_settings.define_flags()
 
 
 def run(settings: Settings, out: str) -> dict:
