@@ -38,8 +38,9 @@ from graphpipe.errors import (
   SimulationError,
 )
 from graphpipe.frontend.tracer import capture
-from graphpipe.planning.search import PLANNERS, plan, tightest_plan
+from graphpipe.planning.search import PLANNERS, plan
 from graphpipe.planning.simulated import plan_and_simulate
+from graphpipe.planning.tightest import tightest_plan
 from graphpipe.planning.validate import check_plan
 from graphpipe.runtime import Trainer, TrainState
 from graphpipe.runtime.memory import memory_report

@@ -13,7 +13,8 @@ Modules, in the order of the data flow:
   assemble       spare devices, device placement, stage edges: the `Plan`
   refine         local search around the partitioners' plans
   validate       `check_plan`: is a plan valid for its graph
-  search         `plan`, `tightest_plan`
+  search         `plan`
+  tightest       `tightest_plan`
   simulated      `plan_and_simulate`
 
 A new planner is a partitioner (a callable from micro-batch size to
@@ -21,9 +22,10 @@ A new planner is a partitioner (a callable from micro-batch size to
 """
 
 from graphpipe.planning.candidates import Partition
-from graphpipe.planning.search import PLANNERS, plan, tightest_plan
+from graphpipe.planning.search import PLANNERS, plan
 from graphpipe.planning.simulated import plan_and_simulate
 from graphpipe.planning.stage_costs import StageCosts, estimate_iteration_time
+from graphpipe.planning.tightest import tightest_plan
 from graphpipe.planning.validate import check_plan
 
 __all__ = [

@@ -21,8 +21,9 @@ the best few micro-batch sizes, and finally simulates candidates best
 estimate first (`graphpipe.simulate`, the schedule each plan will run)
 until the next estimate is no better than the fastest simulated plan.
 
-Also here: `tightest_plan` (the plan under the smallest memory that fits,
-to make small models really pipeline) and `plan_and_simulate`.
+`tightest_plan` (the plan under the smallest memory that fits, to make
+small models really pipeline) is in `graphpipe.planning.tightest`,
+`plan_and_simulate` in `graphpipe.planning.simulated`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from graphpipe.core.fingerprint import graph_fingerprint
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import (
   KINDS,
-  MODEL_KINDS,
   over_budget_message,
   plan_memory,
 )
@@ -58,7 +58,7 @@ from graphpipe.planning.stage_costs import (
 )
 from graphpipe.simulator.engine import simulate
 
-__all__ = ["PLANNERS", "plan", "tightest_plan"]
+__all__ = ["PLANNERS", "plan"]
 
 PLANNERS = ("graphpipe", "sequential", "gpipe", "piper")
 # Simulation budget per search, in actions (~50 us each: about a second),
@@ -253,8 +253,14 @@ def _search(
   piper_budget: int = PIPER_BUDGET,
   memory_kinds: Sequence[str] = KINDS,
   padding_tolerance: float = PADDING_TOLERANCE,
+  feasible_only: bool = False,
 ) -> Plan | None:
-  """The fastest candidate plan (see the module docstring), or None."""
+  """The fastest candidate plan (see the module docstring), or None.
+
+  With `feasible_only`, the best-estimated candidate as soon as the
+  partitioners' candidates are priced (no local search, no simulation):
+  None exactly when the full search gives None, for feasibility checks.
+  """
   costs = StageCosts(graph, cost_model, batch_size, num_devices, memory_bytes)
   partition = _partitioner(graph, planner, costs, piper_budget)
   fingerprint = graph_fingerprint(graph)
@@ -309,6 +315,8 @@ def _search(
   )
   if not ranked:
     return None
+  if feasible_only:
+    return candidates[ranked[0][1]][3]
   # The DPs rank by the bottleneck; with few micro-batches, fill, drain and
   # the last optimizer step matter too: local search from the best plan of
   # each of the best few micro-batch sizes (near-copies of one plan would
@@ -411,13 +419,16 @@ def _no_plan_error(
   low, high = float(memory), _peak_memory(unlimited, graph)
   while high > low * 1.01:
     middle = math.sqrt(low * high)
-    found = _search(graph, devices, batch, planner, model, middle, sizes)
+    found = _search(
+      graph, devices, batch, planner, model, middle, sizes, feasible_only=True
+    )
     low, high = (low, middle) if found is not None else (middle, high)
   more, more_devices = None, devices
   while more is None and more_devices < min(4 * devices, 64):
     more_devices = min(2 * more_devices, 64)
     args = (graph, more_devices, batch, planner, model, memory, sizes)
-    if _search(*args) is not None or _unbounded_fit(*args) is not None:
+    feasible = _search(*args, feasible_only=True) is not None
+    if feasible or _unbounded_fit(*args) is not None:
       more = more_devices
   hint = f", or use at least {more} devices" if more else ""
   return PlanError(
@@ -434,67 +445,3 @@ def _no_plan_error(
 
 def _peak_memory(p: Plan, graph: OpGraph) -> float:
   return plan_memory(graph, p).largest
-
-
-def tightest_plan(
-  graph: OpGraph,
-  num_devices: int,
-  batch_size: int,
-  planner: str = "graphpipe",
-  device: str | DeviceSpec = "v100",
-  steps: int = 18,
-) -> Plan:
-  """The planner's plan under the smallest per-device memory that fits.
-
-  Small models fit one device, so a planner happily replicates them; under
-  the tightest memory budget it must cut them into as many stages as a real
-  model of their shape would need. The budget bounds the kinds of memory
-  that grow with a model (`graphpipe.core.memory.MODEL_KINDS`): the step's
-  fixed bookkeeping (tick tables, channels, the batch) dominates a tiny
-  model and says nothing about its shape. Experiments and tests use this to run
-  real pipelines on tiny models. Binary search over the budget (feasibility
-  grows with memory).
-
-  Example:
-    >>> graph = capture_zoo("two_branch", "tiny")
-    >>> tightest_plan(graph, 8, 8).num_stages > 1
-    True
-
-  Args:
-    graph: the operator graph.
-    num_devices: devices the plan may use.
-    batch_size: the mini-batch.
-    planner: one of `PLANNERS`.
-    device: the device preset or spec the planner costs with.
-    steps: bisection steps.
-  """
-  _check_arguments(graph, num_devices, batch_size, planner)
-  kwargs = {"planner": planner, "device": device}
-  # Feasibility as `plan` decides it, without building its error message.
-  spec = device_spec(device) if isinstance(device, str) else device
-  args = (graph, num_devices, batch_size, planner, AnalyticCostModel(spec))
-  sizes = _micro_batch_sizes(batch_size, None)
-  unlimited = _search(*args, math.inf, sizes)
-  peak = math.inf
-  if unlimited is not None:
-    peak = float(plan_memory(graph, unlimited).largest_of(MODEL_KINDS))
-  high = peak if math.isfinite(peak) else 8.0 * graph.totals()["param_bytes"]
-  low, high, found = 1.0, high + 1e6, False
-  for _ in range(steps):
-    middle = (low + high) / 2
-    if peak <= middle or (
-      _search(*args, middle, sizes, memory_kinds=MODEL_KINDS) is not None
-    ):
-      high, found = middle, True
-    else:
-      low = middle
-  if not found:
-    return plan(graph, num_devices, batch_size, **kwargs)
-  return plan(
-    graph,
-    num_devices,
-    batch_size,
-    memory_bytes=high,
-    memory_kinds=MODEL_KINDS,
-    **kwargs,
-  )

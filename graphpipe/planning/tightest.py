@@ -1,0 +1,91 @@
+"""`tightest_plan`: a planner's plan under the smallest memory that fits.
+
+Small models fit one device, so a planner would replicate them; under the
+tightest per-device budget it cuts them into as many stages as a real model
+of their shape would need. Experiments and tests use it to run real
+pipelines on tiny models.
+"""
+
+from __future__ import annotations
+
+import math
+
+from graphpipe.core.graph import OpGraph
+from graphpipe.core.memory import MODEL_KINDS, plan_memory
+from graphpipe.core.stages import Plan
+from graphpipe.costs import AnalyticCostModel, DeviceSpec, device_spec
+from graphpipe.planning.search import (
+  _check_arguments,
+  _micro_batch_sizes,
+  _search,
+  plan,
+)
+
+__all__ = ["tightest_plan"]
+
+
+def tightest_plan(
+  graph: OpGraph,
+  num_devices: int,
+  batch_size: int,
+  planner: str = "graphpipe",
+  device: str | DeviceSpec = "v100",
+  steps: int = 18,
+) -> Plan:
+  """The planner's plan under the smallest per-device memory that fits.
+
+  Small models fit one device, so a planner happily replicates them; under
+  the tightest memory budget it must cut them into as many stages as a real
+  model of their shape would need. The budget bounds the kinds of memory
+  that grow with a model (`graphpipe.core.memory.MODEL_KINDS`): the step's
+  fixed bookkeeping (tick tables, channels, the batch) dominates a tiny
+  model and says nothing about its shape. Experiments and tests use this to run
+  real pipelines on tiny models. Binary search over the budget (feasibility
+  grows with memory).
+
+  Example:
+    >>> graph = capture_zoo("two_branch", "tiny")
+    >>> tightest_plan(graph, 8, 8).num_stages > 1
+    True
+
+  Args:
+    graph: the operator graph.
+    num_devices: devices the plan may use.
+    batch_size: the mini-batch.
+    planner: one of `PLANNERS`.
+    device: the device preset or spec the planner costs with.
+    steps: bisection steps.
+  """
+  _check_arguments(graph, num_devices, batch_size, planner)
+  kwargs = {"planner": planner, "device": device}
+  # Feasibility as `plan` decides it, without building its error message.
+  spec = device_spec(device) if isinstance(device, str) else device
+  args = (graph, num_devices, batch_size, planner, AnalyticCostModel(spec))
+  sizes = _micro_batch_sizes(batch_size, None)
+  unlimited = _search(*args, math.inf, sizes)
+  peak = math.inf
+  if unlimited is not None:
+    peak = float(plan_memory(graph, unlimited).largest_of(MODEL_KINDS))
+  high = peak if math.isfinite(peak) else 8.0 * graph.totals()["param_bytes"]
+  low, high, found = 1.0, high + 1e6, False
+  for _ in range(steps):
+    middle = (low + high) / 2
+    if peak <= middle or (
+      _search(
+        *args, middle, sizes, memory_kinds=MODEL_KINDS, feasible_only=True
+      )
+      is not None
+    ):
+      high, found = middle, True
+    else:
+      low = middle
+  if not found:
+    return plan(graph, num_devices, batch_size, **kwargs)
+  return plan(
+    graph,
+    num_devices,
+    batch_size,
+    memory_bytes=high,
+    memory_kinds=MODEL_KINDS,
+    **kwargs,
+  )
