@@ -23,10 +23,10 @@ the first seed's DISCO model, `sweep` rows and the `chosen` ratio;
 super-resolution adds SSIM and the bicubic baseline. One checkpoint per
 seed (`disco_seed<N>/`, read by `disco.checkpoint.load`).
 
-Flags left out take the task's measured settings (`experiments.
-disco_settings.TASK_SETTINGS`, the
-runs of BUILD.md's "Every task" table), else the digits run's defaults;
-`--dataset` defaults to the task's first dataset.
+Flags left out take the task's measured settings
+(`experiments.disco_settings.TASK_SETTINGS`, the runs of BUILD.md's
+"Every task" table), else the digits run's defaults; `--dataset` defaults
+to the task's first dataset.
 """
 
 import dataclasses

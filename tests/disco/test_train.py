@@ -105,17 +105,21 @@ def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
   assert rows[0]["quality"] >= 0.5
 
 
-def test_experiment_refuses_a_ratio_outside_0_1(tmp_path):
-  with pytest.raises(PruneError):
-    disco_train.run(disco_train.Settings(comm_ratio=1.5), str(tmp_path))
-  run = subprocess.run(
-    [sys.executable, "-m", "experiments.disco_train", "--comm_ratio=-1"]
-    + [f"--out={tmp_path}"],
+def _run_app(*flags):
+  """`python -m experiments.disco_train FLAGS`, its output captured."""
+  return subprocess.run(
+    [sys.executable, "-m", "experiments.disco_train", *flags],
     cwd=ROOT,
     capture_output=True,
     text=True,
     timeout=120,
   )
+
+
+def test_experiment_refuses_a_ratio_outside_0_1(tmp_path):
+  with pytest.raises(PruneError):
+    disco_train.run(disco_train.Settings(comm_ratio=1.5), str(tmp_path))
+  run = _run_app("--comm_ratio=-1", f"--out={tmp_path}")
   assert run.returncode != 0
   assert "error: communication ratio must be in [0, 1]" in run.stderr
   assert "Traceback" not in run.stderr
@@ -133,13 +137,8 @@ def test_flags_left_out_take_the_tasks_measured_settings(tmp_path):
     disco_train.Settings.for_task("translate")
   # Through the flags: --num_nodes given wins, the rest is the task's; a
   # bad ratio stops the run right after the settings are logged.
-  run = subprocess.run(
-    [sys.executable, "-m", "experiments.disco_train", "--task=superres"]
-    + ["--num_nodes=2", "--comm_ratio=-1", f"--out={tmp_path}"],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=120,
+  run = _run_app(
+    "--task=superres", "--num_nodes=2", "--comm_ratio=-1", f"--out={tmp_path}"
   )
   assert run.returncode != 0
   assert "num_nodes=2" in run.stderr
