@@ -58,6 +58,7 @@ def run(
   plots: bool = True,
   profiled: bool = False,
   padding_tolerance: float | None = None,
+  max_padding: float | None = None,
 ) -> dict:
   """Captures, plans, schedules and simulates; writes DIR's files.
 
@@ -76,6 +77,8 @@ def run(
     plots: draw schedule.png (skipped with a note without matplotlib).
     profiled: time the nodes on this machine's device.
     padding_tolerance: `graphpipe.plan`'s (None: its default, 0.05).
+    max_padding: `graphpipe.plan`'s hard limit on the padding fraction
+      (None: no limit).
 
   Returns:
     The dict written to results.json.
@@ -106,6 +109,7 @@ def run(
     device=device,
     profiled=profiled,
     padding_tolerance=padding_tolerance,
+    max_padding=max_padding,
   )
   common.log(f"{plan}\n[3/4] simulated: {report}")
   memory = memory_figures(plan, graph)
@@ -127,6 +131,7 @@ def run(
       "device": device,
       "cost_model": "profiled" if profiled else "analytic",
       "padding_tolerance": padding_tolerance,
+      "max_padding": max_padding,
     },
     "in_flight": list(schedule.in_flight),
     "peak_stash": list(report.peak_stash),
@@ -219,6 +224,13 @@ def define_flags() -> None:
     "How much slower a less padded plan may be and still win (a share of "
     "the fastest plan's time); default the planner's 0.05, 0 = time alone.",
   )
+  flags.DEFINE_float(
+    "max_padding",
+    None,
+    "Only plans whose padding fraction (parameter and optimizer bytes "
+    "held beyond each device's own stage, a share of all held) is at most "
+    "this; default no limit.",
+  )
   flags.DEFINE_string("out", None, "Output folder.", required=True)
 
 
@@ -237,6 +249,7 @@ def main(argv):
       plots=options.plots,
       profiled=options.profiled,
       padding_tolerance=options.padding_tolerance,
+      max_padding=options.max_padding,
     )
   except GraphpipeError as err:
     raise SystemExit(f"experiments.plan: {err}") from err

@@ -29,6 +29,7 @@ small models really pipeline) is in `graphpipe.planning.tightest`,
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -45,6 +46,11 @@ from graphpipe.core.stages import Plan
 from graphpipe.costs import AnalyticCostModel, DeviceSpec, device_spec
 from graphpipe.errors import PlanError
 from graphpipe.planning import baselines
+from graphpipe.planning.arguments import (
+  PLANNERS,
+  check_arguments,
+  searched_sizes,
+)
 from graphpipe.planning.assemble import assemble, spend_spare_devices
 from graphpipe.planning.candidates import Partition
 from graphpipe.planning.graphpipe_dp import GraphPipePartitioner
@@ -60,7 +66,6 @@ from graphpipe.simulator.engine import simulate
 
 __all__ = ["PLANNERS", "plan"]
 
-PLANNERS = ("graphpipe", "sequential", "gpipe", "piper")
 # Simulation budget per search, in actions (~50 us each: about a second),
 # and in plans.
 _SIMULATED_ACTIONS = 20_000
@@ -86,6 +91,7 @@ def plan(
   piper_budget: int = PIPER_BUDGET,
   memory_kinds: Sequence[str] = KINDS,
   padding_tolerance: float | None = None,
+  max_padding: float | None = None,
 ) -> Plan:
   """A stage graph for `graph` on `num_devices` devices.
 
@@ -135,6 +141,10 @@ def plan(
     padding_tolerance: how much slower (a share of the fastest simulated
       plan's time) a plan whose devices hold less padding may be and still
       win; default `PADDING_TOLERANCE` (0.05). 0 ranks by time alone.
+    max_padding: a hard limit on the plan's `padding_fraction` (parameter
+      and optimizer bytes devices hold beyond their own stage's, a share of
+      all they hold): the fastest plan within it, data-parallel copies of
+      the whole model included. None: no limit.
 
   Raises:
     PlanError: no plan fits (the message names the smallest per-device
@@ -144,7 +154,9 @@ def plan(
   start = time.perf_counter()
   if padding_tolerance is None:
     padding_tolerance = PADDING_TOLERANCE
-  _check_arguments(graph, num_devices, batch_size, planner, padding_tolerance)
+  check_arguments(
+    graph, num_devices, batch_size, planner, padding_tolerance, max_padding
+  )
   if cost_model is None:
     spec = device_spec(device) if isinstance(device, str) else device
     cost_model = AnalyticCostModel(spec)
@@ -155,7 +167,7 @@ def plan(
     raise PlanError(
       f"memory_bytes must be a number > 0 (per device), got {memory_bytes!r}"
     )
-  sizes = _micro_batch_sizes(batch_size, micro_batch_sizes)
+  sizes = searched_sizes(batch_size, micro_batch_sizes)
   per_stage = per_stage_micro_batches and planner == "graphpipe"
   best = _search(
     graph,
@@ -169,6 +181,7 @@ def plan(
     piper_budget=piper_budget,
     memory_kinds=memory_kinds,
     padding_tolerance=padding_tolerance,
+    max_padding=max_padding,
   )
   if best is None:
     # The partitioners bound memory conservatively (non-series-parallel
@@ -176,57 +189,37 @@ def plan(
     # searched without the limit may fit where the bounded search found
     # none (tests/graphpipe/test_random_graphs.py found such graphs).
     args = (graph, num_devices, batch_size, planner, cost_model)
+    options = {"padding_tolerance": padding_tolerance}
     unlimited = _search(
-      *args, math.inf, sizes, padding_tolerance=padding_tolerance
+      *args, math.inf, sizes, **options, max_padding=max_padding
     )
-    if unlimited is None or (
-      plan_memory(graph, unlimited).largest_of(memory_kinds) > memory_bytes
+    if unlimited is not None and (
+      plan_memory(graph, unlimited).largest_of(memory_kinds) <= memory_bytes
     ):
+      best = unlimited
+    elif max_padding is not None and (
+      _search(
+        *args,
+        memory_bytes,
+        sizes,
+        memory_kinds=memory_kinds,
+        feasible_only=True,
+      )
+      is not None
+    ):
+      raise _padding_error(
+        *args, memory_bytes, sizes, max_padding, memory_kinds
+      )
+    else:
+      if max_padding is not None:
+        unlimited = _search(*args, math.inf, sizes, **options)
       raise _no_plan_error(*args, memory_bytes, sizes, unlimited)
-    best = unlimited
   return dataclasses.replace(
     best,
     device=device_name,
     search_time_s=time.perf_counter() - start,
     graph=graph,
   )
-
-
-def _check_arguments(
-  graph, num_devices, batch_size, planner, padding_tolerance=0.0
-) -> None:
-  if planner not in PLANNERS:
-    raise PlanError(
-      f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}"
-    )
-  if not isinstance(num_devices, int) or num_devices < 1:
-    raise PlanError(f"num_devices must be a positive int, got {num_devices!r}")
-  if not isinstance(batch_size, int) or batch_size < 1:
-    raise PlanError(f"batch_size must be a positive int, got {batch_size!r}")
-  if not graph.nodes:
-    raise PlanError("the graph has no nodes: capture a model first")
-  if not isinstance(padding_tolerance, int | float) or not (
-    padding_tolerance >= 0
-  ):
-    raise PlanError(
-      f"padding_tolerance must be a number >= 0, got {padding_tolerance!r}"
-    )
-
-
-def _micro_batch_sizes(
-  batch_size: int, requested: Sequence[int] | None
-) -> list[int]:
-  if requested is None:
-    return [b for b in (2**i for i in range(31)) if batch_size % b == 0]
-  sizes = sorted({int(b) for b in requested if b >= 1 and batch_size % b == 0})
-  if not sizes:
-    divisors = [b for b in range(1, batch_size + 1) if batch_size % b == 0]
-    raise PlanError(
-      f"batch size {batch_size} is not divisible by any micro-batch size in "
-      f"{list(requested)}: use sizes among its divisors {divisors[:12]}"
-      + ("..." if len(divisors) > 12 else "")
-    )
-  return sizes
 
 
 def _partitioner(
@@ -254,15 +247,22 @@ def _search(
   memory_kinds: Sequence[str] = KINDS,
   padding_tolerance: float = PADDING_TOLERANCE,
   feasible_only: bool = False,
+  max_padding: float | None = None,
 ) -> Plan | None:
   """The fastest candidate plan (see the module docstring), or None.
 
   With `feasible_only`, the best-estimated candidate as soon as the
   partitioners' candidates are priced (no local search, no simulation):
   None exactly when the full search gives None, for feasibility checks.
+  With `max_padding`, candidates whose padding fraction is over it do not
+  count, and data-parallel copies of the whole model are candidates too.
   """
   costs = StageCosts(graph, cost_model, batch_size, num_devices, memory_bytes)
-  partition = _partitioner(graph, planner, costs, piper_budget)
+  partitioners = [_partitioner(graph, planner, costs, piper_budget)]
+  if max_padding is not None and planner == "graphpipe":
+    # A chain is a graph pipeline too: under a padding limit the even
+    # chains of the sequential DP are often the only plans that meet it.
+    partitioners.append(baselines.SequentialPartitioner(graph, costs))
   fingerprint = graph_fingerprint(graph)
   timing = NodeTimes(cost_model)
   candidates: dict[Partition, tuple | None] = {}
@@ -279,9 +279,11 @@ def _search(
       candidates[part] = None
       # Every device holds what the largest stage needs (SPMD): the
       # runtime's per-device figure, not each stage's own, must fit.
-      fits = fits and (
-        plan_memory(graph, p).largest_of(memory_kinds) <= costs.memory_bytes
-      )
+      if fits:
+        memory = plan_memory(graph, p)
+        fits = memory.largest_of(memory_kinds) <= costs.memory_bytes
+        if max_padding is not None:
+          fits = fits and memory.padding_fraction <= max_padding
       if fits:
         estimate = estimate_iteration_time(p, graph, timing)
         candidates[part] = (
@@ -292,7 +294,7 @@ def _search(
         )
     return candidates[part]
 
-  for b in sizes:
+  for b, partition in itertools.product(sizes, partitioners):
     for part in partition(b):
       if part.schedule == "1f1b":
         spent = spend_spare_devices(graph, part, costs)
@@ -301,11 +303,17 @@ def _search(
         if evaluate(spent) is not None:
           continue
       evaluate(part)
+  whole = (tuple(range(len(graph.nodes))), 1)
+  if max_padding is not None:
+    # No padding at all: the whole model on k devices, data parallel.
+    for b in sizes:
+      for k in range(1, num_devices + 1):
+        if num_devices % k == 0 and b % k == 0:
+          evaluate(Partition(((whole[0], k),), b))
   if not any(c is not None for c in candidates.values()):
     # Every device holds what the largest stage needs, and replicas hold
     # their gradient sums: where no pipeline fits, the whole model on one
     # device (the others idle) still may, and every planner can make it.
-    whole = (tuple(range(len(graph.nodes))), 1)
     schedule = "gpipe" if planner == "gpipe" else "1f1b"
     for b in sizes:
       evaluate(Partition((whole,), b, schedule=schedule))
@@ -394,6 +402,42 @@ def _search(
     (c for c in close if c[0] <= best[0] * slack),
     key=lambda c: (round(plan_memory(graph, c[3]).padding_fraction, 2), c[:3]),
   )[3]
+
+
+def _padding_error(
+  graph, devices, batch, planner, model, memory, sizes, max_padding, kinds
+) -> PlanError:
+  """Says the least padding a plan that fits can have (bisected to 0.02)."""
+  low, high, least = max_padding, 1.0, None
+  while high - low > 0.02:
+    middle = (low + high) / 2
+    found = _search(
+      graph,
+      devices,
+      batch,
+      planner,
+      model,
+      memory,
+      sizes,
+      memory_kinds=kinds,
+      feasible_only=True,
+      max_padding=middle,
+    )
+    if found is None:
+      low = middle
+    else:
+      high, least = middle, plan_memory(graph, found).padding_fraction
+  reach = f"{least:.3f}" if least is not None else f"over {low:.2f}"
+  return PlanError(
+    f"no {planner} plan for {graph.model or 'the graph'} on {devices} "
+    f"devices (batch {batch}) has a padding fraction <= {max_padding:g}: "
+    f"the least padded of its candidates within memory has {reach} "
+    "(searched to 0.02). "
+    "Every device holds slots the size of the largest stage's parameters "
+    "and optimizer state; raise max_padding, use fewer or more devices "
+    "(stages of more even size), or a budget that fits the whole model "
+    "data parallel."
+  )
 
 
 def _unbounded_fit(graph, devices, batch, planner, model, memory, sizes):

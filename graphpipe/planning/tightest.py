@@ -14,12 +14,8 @@ from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import MODEL_KINDS, plan_memory
 from graphpipe.core.stages import Plan
 from graphpipe.costs import AnalyticCostModel, DeviceSpec, device_spec
-from graphpipe.planning.search import (
-  _check_arguments,
-  _micro_batch_sizes,
-  _search,
-  plan,
-)
+from graphpipe.planning.arguments import check_arguments, searched_sizes
+from graphpipe.planning.search import _search, plan
 
 __all__ = ["tightest_plan"]
 
@@ -56,12 +52,12 @@ def tightest_plan(
     device: the device preset or spec the planner costs with.
     steps: bisection steps.
   """
-  _check_arguments(graph, num_devices, batch_size, planner)
+  check_arguments(graph, num_devices, batch_size, planner)
   kwargs = {"planner": planner, "device": device}
   # Feasibility as `plan` decides it, without building its error message.
   spec = device_spec(device) if isinstance(device, str) else device
   args = (graph, num_devices, batch_size, planner, AnalyticCostModel(spec))
-  sizes = _micro_batch_sizes(batch_size, None)
+  sizes = searched_sizes(batch_size, None)
   unlimited = _search(*args, math.inf, sizes)
   peak = math.inf
   if unlimited is not None:

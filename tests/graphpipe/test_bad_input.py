@@ -295,6 +295,16 @@ ROWS = [
         "padding_tolerance must be a number >= 0",
       ),
       (
+        "max-padding-negative",
+        lambda c: graphpipe.plan(c.graph, 2, 16, max_padding=-0.1),
+        r"max_padding must be None or a number in \[0, 1\]",
+      ),
+      (
+        "max-padding-over-one",
+        lambda c: graphpipe.plan(c.graph, 2, 16, max_padding=1.5),
+        r"max_padding must be None or a number in \[0, 1\]",
+      ),
+      (
         "planner-unknown",
         lambda c: graphpipe.plan(c.graph, 2, 16, planner="magic"),
         "unknown planner",

@@ -54,6 +54,7 @@ def test_plan_writes_every_output(tmp_path):
     "--num_devices=4",
     "--planner=graphpipe",
     "--device=v100",
+    "--max_padding=0.05",
     f"--out={tmp_path}",
   )
   assert done.returncode == 0, done.stderr[-3000:]
@@ -88,7 +89,8 @@ def test_plan_writes_every_output(tmp_path):
   )
   padding = sum(h - o for h, o in zip(held, own, strict=True)) / sum(held)
   assert results["padding_fraction"] == pytest.approx(padding)
-  assert 0 <= results["padding_fraction"] < 1
+  assert 0 <= results["padding_fraction"] <= 0.05
+  assert results["config"]["max_padding"] == 0.05
   # The planner's bound is never below the runtime's figure.
   for mine, bound in zip(
     memory, results["planner_memory_per_device"], strict=True

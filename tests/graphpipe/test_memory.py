@@ -8,13 +8,14 @@ names the device, the bytes by kind and what to change.
 """
 
 import dataclasses
+import re
 
 import optax
 import pytest
 
 import graphpipe
 from graphpipe import PlanError, Trainer
-from graphpipe.core.memory import KINDS, check_memory, plan_memory
+from graphpipe.core.memory import KINDS, MODEL_KINDS, check_memory, plan_memory
 from tests.graphpipe import runtime_cases as rc
 
 MIB = 2**20
@@ -102,3 +103,21 @@ def test_memory_report_of_an_abstract_paper_model():
   planned = dataclasses.replace(plan, graph=None)
   with pytest.raises(graphpipe.GraphpipeError, match="captured graph"):
     graphpipe.memory_report(planned)
+
+
+def test_max_padding_is_a_hard_limit_or_a_plan_error():
+  graph = rc.tiny_graph("dlrm")
+  tightest = rc.pipeline_plan("dlrm", 8, "graphpipe")
+  budget = 2 * plan_memory(graph, tightest).largest_of(MODEL_KINDS)
+  options = {"device": rc.SLOW, "memory_bytes": budget}
+  options["memory_kinds"] = MODEL_KINDS
+  assert plan_memory(graph, tightest).padding_fraction > 0.3
+  chosen = graphpipe.plan(graph, 8, rc.BATCH, max_padding=0.1, **options)
+  memory = plan_memory(graph, chosen)
+  assert memory.padding_fraction <= 0.1
+  assert memory.largest_of(MODEL_KINDS) <= budget
+  # No plan within memory is unpadded: the error says how close one gets.
+  with pytest.raises(PlanError, match="padding fraction <= 0:") as info:
+    graphpipe.plan(graph, 8, rc.BATCH, max_padding=0.0, **options)
+  least = float(re.search(r"has ([0-9.]+) \(searched", str(info.value))[1])
+  assert 0 < least <= 0.12

@@ -1,0 +1,59 @@
+"""Argument checks and micro-batch sizes shared by the planning entry points
+(`graphpipe.plan`, `tightest_plan`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from graphpipe.errors import PlanError
+
+PLANNERS = ("graphpipe", "sequential", "gpipe", "piper")
+
+
+def check_arguments(
+  graph,
+  num_devices,
+  batch_size,
+  planner,
+  padding_tolerance=0.0,
+  max_padding=None,
+) -> None:
+  if planner not in PLANNERS:
+    raise PlanError(
+      f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}"
+    )
+  if not isinstance(num_devices, int) or num_devices < 1:
+    raise PlanError(f"num_devices must be a positive int, got {num_devices!r}")
+  if not isinstance(batch_size, int) or batch_size < 1:
+    raise PlanError(f"batch_size must be a positive int, got {batch_size!r}")
+  if not graph.nodes:
+    raise PlanError("the graph has no nodes: capture a model first")
+  if not isinstance(padding_tolerance, int | float) or not (
+    padding_tolerance >= 0
+  ):
+    raise PlanError(
+      f"padding_tolerance must be a number >= 0, got {padding_tolerance!r}"
+    )
+  if max_padding is not None and (
+    not isinstance(max_padding, int | float) or not 0 <= max_padding <= 1
+  ):
+    raise PlanError(
+      "max_padding must be None or a number in [0, 1] (a share of the "
+      f"parameter and optimizer bytes held), got {max_padding!r}"
+    )
+
+
+def searched_sizes(
+  batch_size: int, requested: Sequence[int] | None
+) -> list[int]:
+  if requested is None:
+    return [b for b in (2**i for i in range(31)) if batch_size % b == 0]
+  sizes = sorted({int(b) for b in requested if b >= 1 and batch_size % b == 0})
+  if not sizes:
+    divisors = [b for b in range(1, batch_size + 1) if batch_size % b == 0]
+    raise PlanError(
+      f"batch size {batch_size} is not divisible by any micro-batch size in "
+      f"{list(requested)}: use sizes among its divisors {divisors[:12]}"
+      + ("..." if len(divisors) > 12 else "")
+    )
+  return sizes
