@@ -15,7 +15,8 @@ from graphpipe.core.memory import MODEL_KINDS, plan_memory
 from graphpipe.core.stages import Plan
 from graphpipe.costs import AnalyticCostModel, DeviceSpec, device_spec
 from graphpipe.planning.arguments import check_arguments, searched_sizes
-from graphpipe.planning.search import _search, plan
+from graphpipe.planning.engine import fits, unlimited_plan
+from graphpipe.planning.search import plan
 
 __all__ = ["tightest_plan"]
 
@@ -58,7 +59,7 @@ def tightest_plan(
   spec = device_spec(device) if isinstance(device, str) else device
   args = (graph, num_devices, batch_size, planner, AnalyticCostModel(spec))
   sizes = searched_sizes(batch_size, None)
-  unlimited = _search(*args, math.inf, sizes)
+  unlimited = unlimited_plan(*args, sizes)
   peak = math.inf
   if unlimited is not None:
     peak = float(plan_memory(graph, unlimited).largest_of(MODEL_KINDS))
@@ -66,12 +67,7 @@ def tightest_plan(
   low, high, found = 1.0, high + 1e6, False
   for _ in range(steps):
     middle = (low + high) / 2
-    if peak <= middle or (
-      _search(
-        *args, middle, sizes, memory_kinds=MODEL_KINDS, feasible_only=True
-      )
-      is not None
-    ):
+    if peak <= middle or fits(*args, middle, sizes, MODEL_KINDS):
       high, found = middle, True
     else:
       low = middle

@@ -9,7 +9,7 @@ from graphpipe.core.fingerprint import graph_fingerprint
 from graphpipe.core.graph import Edge, Node, OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.errors import GraphpipeError, PlanError
-from graphpipe.planning import baselines, search
+from graphpipe.planning import baselines, engine
 from graphpipe.planning.assemble import spend_spare_devices
 from graphpipe.planning.candidates import Partition
 from graphpipe.planning.search import PLANNERS, plan
@@ -263,7 +263,7 @@ def case_study():
 
 def test_case_study_on_the_captured_model(case_study, monkeypatch):
   # The paper's planners rank by time alone: no time traded for padding.
-  monkeypatch.setattr(search, "PADDING_TOLERANCE", 0.0)
+  monkeypatch.setattr(engine, "PADDING_TOLERANCE", 0.0)
   # A batch of 8 keeps the pipeline short, as in the paper's case study:
   # with many micro-batches warm-up matters little (see BUILD.md).
   gpp = plan(case_study, 8, 8)

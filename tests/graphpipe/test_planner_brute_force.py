@@ -19,7 +19,7 @@ import pytest
 from experiments import pipedream
 from graphpipe import costs
 from graphpipe.errors import PlanError
-from graphpipe.planning import search
+from graphpipe.planning import engine
 from graphpipe.planning.piper import PiperPartitioner
 from graphpipe.planning.search import plan
 from graphpipe.planning.stage_costs import StageCosts
@@ -46,7 +46,7 @@ def config(seed: int) -> tuple:
 @pytest.fixture(autouse=True)
 def fastest_plans(monkeypatch):
   """Time optimality is checked here: no time traded for less padding."""
-  monkeypatch.setattr(search, "PADDING_TOLERANCE", 0.0)
+  monkeypatch.setattr(engine, "PADDING_TOLERANCE", 0.0)
 
 
 def within_brute_force(seed: int, planner: str, kind: str) -> None:

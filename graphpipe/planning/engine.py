@@ -1,0 +1,275 @@
+"""The candidate search behind `graphpipe.plan`, and feasibility checks.
+
+  run_search(graph, devices, batch, planner, cost_model, memory, sizes)
+    -> the fastest candidate Plan, or None
+
+`run_search` prices the partitioners' candidates for each micro-batch size
+(memory rule, `estimate_iteration_time`), runs the local search from the
+best few, and simulates the best estimates (see `graphpipe.planning.search`
+for the whole procedure); `fits` and `unlimited_plan` are the questions the
+no-plan errors and `tightest_plan` ask of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+
+from graphpipe.core.cost_model import CostModel
+from graphpipe.core.fingerprint import graph_fingerprint
+from graphpipe.core.graph import OpGraph
+from graphpipe.core.memory import KINDS, plan_memory
+from graphpipe.core.stages import Plan
+from graphpipe.planning import baselines
+from graphpipe.planning.assemble import assemble, spend_spare_devices
+from graphpipe.planning.candidates import Partition
+from graphpipe.planning.graphpipe_dp import GraphPipePartitioner
+from graphpipe.planning.micro_batches import grow_micro_batches
+from graphpipe.planning.piper import PIPER_BUDGET, PiperPartitioner
+from graphpipe.planning.refine import refine
+from graphpipe.planning.stage_costs import (
+  NodeTimes,
+  StageCosts,
+  estimate_iteration_time,
+)
+from graphpipe.simulator.engine import simulate
+
+__all__ = ["PADDING_TOLERANCE", "fits", "run_search", "unlimited_plan"]
+
+# Simulation budget per search, in actions (~50 us each: about a second),
+# and in plans.
+_SIMULATED_ACTIONS = 20_000
+_SIMULATED_PLANS = 32
+# A plan this much slower than the fastest may win with less padding ...
+PADDING_TOLERANCE = 0.05
+# ... when its devices hold this much padding each on average (not tiny).
+PADDING_MIN_BYTES = 2**20
+# Local search starts from the best plan of this many micro-batch sizes.
+_REFINED = 3
+
+
+def _partitioner(
+  graph: OpGraph, planner: str, costs: StageCosts, piper_budget: int
+) -> Callable[[int], list[Partition]]:
+  if planner == "graphpipe":
+    return GraphPipePartitioner(graph, costs)
+  if planner == "sequential":
+    return baselines.SequentialPartitioner(graph, costs)
+  if planner == "piper":
+    return PiperPartitioner(graph, costs, piper_budget)
+  return baselines.GPipePartitioner(graph, costs)
+
+
+def run_search(
+  graph,
+  num_devices,
+  batch_size,
+  planner,
+  cost_model,
+  memory_bytes,
+  sizes,
+  per_stage: bool = False,
+  piper_budget: int = PIPER_BUDGET,
+  memory_kinds: Sequence[str] = KINDS,
+  padding_tolerance: float | None = None,
+  feasible_only: bool = False,
+  max_padding: float | None = None,
+) -> Plan | None:
+  """The fastest candidate plan (see the module docstring), or None.
+
+  With `feasible_only`, the best-estimated candidate as soon as the
+  partitioners' candidates are priced (no local search, no simulation):
+  None exactly when the full search gives None, for feasibility checks.
+  With `max_padding`, candidates whose padding fraction is over it do not
+  count, and data-parallel copies of the whole model are candidates too.
+  `padding_tolerance` None: `PADDING_TOLERANCE` as it is at call time.
+  """
+  if padding_tolerance is None:
+    padding_tolerance = PADDING_TOLERANCE
+  costs = StageCosts(graph, cost_model, batch_size, num_devices, memory_bytes)
+  partitioners = [_partitioner(graph, planner, costs, piper_budget)]
+  if max_padding is not None and planner == "graphpipe":
+    # A chain is a graph pipeline too: under a padding limit the even
+    # chains of the sequential DP are often the only plans that meet it.
+    partitioners.append(baselines.SequentialPartitioner(graph, costs))
+  fingerprint = graph_fingerprint(graph)
+  timing = NodeTimes(cost_model)
+  candidates: dict[Partition, tuple | None] = {}
+
+  def evaluate(part: Partition) -> tuple | None:
+    """(estimate, in flight at the source, -b, plan), None if over memory."""
+    if part not in candidates:
+      p = assemble(graph, part, costs, planner, fingerprint)
+      fits = all(
+        costs.in_flight_capacity(s.nodes, s.micro_batch_size, len(s.devices))
+        >= s.in_flight
+        for s in p.stages
+      )
+      candidates[part] = None
+      # Every device holds what the largest stage needs (SPMD): the
+      # runtime's per-device figure, not each stage's own, must fit.
+      if fits:
+        memory = plan_memory(graph, p)
+        fits = memory.largest_of(memory_kinds) <= costs.memory_bytes
+        if max_padding is not None:
+          fits = fits and memory.padding_fraction <= max_padding
+      if fits:
+        estimate = estimate_iteration_time(p, graph, timing)
+        candidates[part] = (
+          estimate,
+          p.stages[0].in_flight,
+          -p.micro_batch_size,
+          p,
+        )
+    return candidates[part]
+
+  for b, partition in itertools.product(sizes, partitioners):
+    for part in partition(b):
+      if part.schedule == "1f1b":
+        spent = spend_spare_devices(graph, part, costs)
+        # Replicas hold their gradient sums: the partition as the DP gave
+        # it (spare devices idle) may fit where the spent one does not.
+        if evaluate(spent) is not None:
+          continue
+      evaluate(part)
+  whole = (tuple(range(len(graph.nodes))), 1)
+  if max_padding is not None:
+    # No padding at all: the whole model on k devices, data parallel.
+    for b in sizes:
+      for k in range(1, num_devices + 1):
+        if num_devices % k == 0 and b % k == 0:
+          evaluate(Partition(((whole[0], k),), b))
+  if not any(c is not None for c in candidates.values()):
+    # Every device holds what the largest stage needs, and replicas hold
+    # their gradient sums: where no pipeline fits, the whole model on one
+    # device (the others idle) still may, and every planner can make it.
+    schedule = "gpipe" if planner == "gpipe" else "1f1b"
+    for b in sizes:
+      evaluate(Partition((whole,), b, schedule=schedule))
+  ranked = sorted(
+    ((c[:3], part) for part, c in candidates.items() if c is not None),
+    key=lambda x: x[0],
+  )
+  if not ranked:
+    return None
+  if feasible_only:
+    return candidates[ranked[0][1]][3]
+  # The DPs rank by the bottleneck; with few micro-batches, fill, drain and
+  # the last optimizer step matter too: local search from the best plan of
+  # each of the best few micro-batch sizes (near-copies of one plan would
+  # all lead to the same place).
+  by_size: dict[int, Partition] = {}
+  for _, part in ranked:
+    by_size.setdefault(part.micro_batch_size, part)
+  starts = list(by_size.values())[:_REFINED]
+  # Fewer sizes than starts (e.g. one size asked for): the next best plans
+  # (of other estimates) start too.
+  seen = {round(candidates[p][0], 12) for p in starts}
+  for key, part in ranked:
+    if len(starts) >= _REFINED:
+      break
+    if round(key[0], 12) not in seen:
+      seen.add(round(key[0], 12))
+      starts.append(part)
+
+  def estimated(part: Partition) -> float | None:
+    found = evaluate(part)
+    return None if found is None else found[0]
+
+  for part in starts:
+    if part.schedule != "1f1b":
+      continue
+    refined = refine(
+      graph,
+      part,
+      num_devices,
+      estimated,
+      lambda nodes, k, b=part.micro_batch_size: costs.microbatch_time(
+        nodes, b, k
+      ),
+    )
+    if per_stage:
+      # Per-stage sizes (GraphPipe's extension): grow them from the
+      # uniform plans found so far.
+      for uniform in dict.fromkeys([part, refined]):
+        grow_micro_batches(graph, uniform, batch_size, estimated)
+  found = sorted(
+    (c for c in candidates.values() if c is not None), key=lambda c: c[:3]
+  )
+  # The estimate is a few percent under the event simulation at most
+  # (rarely a little over): simulate the schedule each plan will run, best
+  # estimate first, until the next estimate is no better than the fastest
+  # simulated plan (or the simulation budget is spent).
+  # Plans within `padding_tolerance` of the fastest are simulated too: of
+  # those, the one whose devices hold the least padding wins (every device
+  # holds slots the size of the largest stage's parameters).
+  best, budget, timed, close = None, _SIMULATED_ACTIONS, set(), []
+  slack = 1.0  # 1 + padding_tolerance once the fastest plan pads much
+  for c in found:
+    if best is not None and (
+      c[0] >= best[0] * slack or len(timed) == _SIMULATED_PLANS
+    ):
+      break
+    # Plans the estimate cannot tell apart (mirror images: the same stages
+    # on other branches or devices) are simulated once.
+    twin = round(c[0], 12)
+    actions = 2 * c[3].num_microbatches * c[3].num_stages
+    if best is not None and (actions > budget or twin in timed):
+      continue
+    timed.add(twin)
+    budget -= actions
+    seconds = simulate(c[3], graph, cost_model).iteration_time_s
+    close.append((seconds, *c[1:]))
+    if best is None or (seconds, *c[1:3]) < best[:3]:
+      best = (seconds, *c[1:])
+      padding = sum(plan_memory(graph, c[3]).padding_bytes)
+      heavy = padding >= PADDING_MIN_BYTES * c[3].num_devices
+      slack = 1 + padding_tolerance if heavy else 1.0
+  if slack == 1.0:  # else padding to 0.01, then time
+    return best[3]
+  return min(
+    (c for c in close if c[0] <= best[0] * slack),
+    key=lambda c: (round(plan_memory(graph, c[3]).padding_fraction, 2), c[:3]),
+  )[3]
+
+
+def fits(
+  graph: OpGraph,
+  num_devices: int,
+  batch_size: int,
+  planner: str,
+  cost_model: CostModel,
+  memory_bytes: float,
+  sizes: Sequence[int],
+  memory_kinds: Sequence[str] = KINDS,
+) -> bool:
+  """Whether `plan`'s search has a candidate within `memory_bytes` (the
+  partitioners' candidates priced; no local search or simulation): false
+  exactly when the full search finds none. For bisections over memory."""
+  found = run_search(
+    graph,
+    num_devices,
+    batch_size,
+    planner,
+    cost_model,
+    memory_bytes,
+    sizes,
+    memory_kinds=memory_kinds,
+    feasible_only=True,
+  )
+  return found is not None
+
+
+def unlimited_plan(
+  graph: OpGraph,
+  num_devices: int,
+  batch_size: int,
+  planner: str,
+  cost_model: CostModel,
+  sizes: Sequence[int],
+) -> Plan | None:
+  """`plan`'s search without a memory limit (None: no plan at all)."""
+  return run_search(
+    graph, num_devices, batch_size, planner, cost_model, math.inf, sizes
+  )

@@ -1,0 +1,98 @@
+"""The `PlanError`s of `graphpipe.plan` when no plan fits: the smallest
+memory and device count that would (bisected with `fits`), or the least
+padding a plan within memory reaches."""
+
+from __future__ import annotations
+
+import math
+
+from graphpipe.core.graph import OpGraph
+from graphpipe.core.memory import over_budget_message, plan_memory
+from graphpipe.core.stages import Plan
+from graphpipe.errors import PlanError
+from graphpipe.planning.engine import fits, run_search, unlimited_plan
+
+
+def padding_error(
+  graph, devices, batch, planner, model, memory, sizes, max_padding, kinds
+) -> PlanError:
+  """Says the least padding a plan that fits can have (bisected to 0.02)."""
+  low, high, least = max_padding, 1.0, None
+  while high - low > 0.02:
+    middle = (low + high) / 2
+    found = run_search(
+      graph,
+      devices,
+      batch,
+      planner,
+      model,
+      memory,
+      sizes,
+      memory_kinds=kinds,
+      feasible_only=True,
+      max_padding=middle,
+    )
+    if found is None:
+      low = middle
+    else:
+      high, least = middle, plan_memory(graph, found).padding_fraction
+  reach = f"{least:.3f}" if least is not None else f"over {low:.2f}"
+  return PlanError(
+    f"no {planner} plan for {graph.model or 'the graph'} on {devices} "
+    f"devices (batch {batch}) has a padding fraction <= {max_padding:g}: "
+    f"the least padded of its candidates within memory has {reach} "
+    "(searched to 0.02). "
+    "Every device holds slots the size of the largest stage's parameters "
+    "and optimizer state; raise max_padding, use fewer or more devices "
+    "(stages of more even size), or a budget that fits the whole model "
+    "data parallel."
+  )
+
+
+def _unbounded_fit(graph, devices, batch, planner, model, memory, sizes):
+  """The plan searched without a memory limit, if it fits `memory`."""
+  found = unlimited_plan(graph, devices, batch, planner, model, sizes)
+  fits = found is not None and _peak_memory(found, graph) <= memory
+  return found if fits else None
+
+
+def no_plan_error(
+  graph, devices, batch, planner, model, memory, sizes, unlimited
+):
+  """Says what memory (or how many devices) would have allowed a plan;
+  `unlimited` is the plan searched without a memory limit (or None)."""
+  gib = 2**30
+  if unlimited is None:
+    return PlanError(
+      f"no {planner} plan exists for {devices} devices even without a "
+      "memory limit (internal: every stage time was infinite)"
+    )
+  # Bisect the per-device memory to 1% (a budget over the unlimited plan's
+  # peak fits: `plan` falls back to that plan).
+  low, high = float(memory), _peak_memory(unlimited, graph)
+  while high > low * 1.01:
+    middle = math.sqrt(low * high)
+    found = fits(graph, devices, batch, planner, model, middle, sizes)
+    low, high = (low, middle) if found else (middle, high)
+  more, more_devices = None, devices
+  while more is None and more_devices < min(4 * devices, 64):
+    more_devices = min(2 * more_devices, 64)
+    args = (graph, more_devices, batch, planner, model, memory, sizes)
+    feasible = fits(*args)
+    if feasible or _unbounded_fit(*args) is not None:
+      more = more_devices
+  hint = f", or use at least {more} devices" if more else ""
+  return PlanError(
+    f"no {planner} plan for {graph.model or 'the graph'} fits "
+    f"{memory / gib:.3g} GiB per device on {devices} devices "
+    f"(batch {batch}, micro-batches {sizes}): the smallest per-device "
+    f"memory that fits is about {high / gib:.3g} GiB; raise memory_bytes "
+    f"or pick a device with more memory{hint}. Without a limit, "
+    + over_budget_message(
+      graph, unlimited, plan_memory(graph, unlimited), memory
+    )
+  )
+
+
+def _peak_memory(p: Plan, graph: OpGraph) -> float:
+  return plan_memory(graph, p).largest
