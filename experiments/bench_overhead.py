@@ -86,7 +86,11 @@ def define_flags():
     "warmup", 2, "Untimed steps per system and row.", lower_bound=0
   )
   flags.DEFINE_integer(
-    "idle_ticks", 64, "Idle ticks for the empty tick.", lower_bound=1
+    "idle_ticks",
+    1024,
+    "Idle ticks for the empty tick (enough that they outlast the step "
+    "time's noise: with 64, a few us each, the difference was noise).",
+    lower_bound=1,
   )
   flags.DEFINE_float("learning_rate", 0.05, "SGD learning rate.")
   flags.DEFINE_integer("core", 0, "Core of the one-device process.")
