@@ -125,8 +125,9 @@ def plan(
 
   Raises:
     PlanError: no plan fits (the message names the smallest per-device
-      memory, or device count, that would), Piper ran out of budget, bad
-      arguments.
+      memory, or device count, that would), no plan within memory meets
+      `max_padding` (the message names the least padding one reaches),
+      Piper ran out of budget, bad arguments.
   """
   start = time.perf_counter()
   if padding_tolerance is None:
