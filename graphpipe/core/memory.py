@@ -375,6 +375,39 @@ def work_bytes(graph: OpGraph, nodes: Sequence[int], chunk: float) -> int:
   return math.ceil(total)
 
 
+def memory_floor(
+  graph: OpGraph,
+  batch_size: int,
+  optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS,
+) -> tuple[int, str]:
+  """A lower bound of the bytes every device holds in any plan of `graph`,
+  on any number of devices, and the node that sets it.
+
+  Every plan puts the node with the most parameters in some stage, and
+  every device holds slots the size of the largest stage's parameters (and
+  the same for the non-trainable state) and the whole batch; the bound is
+  `device_bytes` of those slots alone (no stashes, channels, tables or
+  transient work, no data-parallel copies), so it is never above
+  `plan_memory(graph, p).largest` for any plan p.
+  """
+  heaviest = max(graph.nodes, key=lambda n: n.param_bytes)
+  params = max(1, heaviest.param_bytes // 4)
+  floor = Holdings(
+    param_elements=params,
+    state_elements=max(1, max(n.state_bytes // 4 for n in graph.nodes)),
+    optimizer_bytes=4 * optimizer_slots * params + _OPTIMIZER_SCALARS,
+    stash_elements=0,
+    channel_elements=0,
+    batch_bytes=batch_bytes(graph, batch_size),
+    work_bytes=0,
+    table_bytes=0,
+    replicas=1,
+    own_param_elements=(),
+    stages=(),
+  )
+  return sum(device_bytes(floor).values()), heaviest.name
+
+
 def plan_memory(
   graph: OpGraph,
   plan: Plan,

@@ -7,7 +7,11 @@ from __future__ import annotations
 import math
 
 from graphpipe.core.graph import OpGraph
-from graphpipe.core.memory import over_budget_message, plan_memory
+from graphpipe.core.memory import (
+  memory_floor,
+  over_budget_message,
+  plan_memory,
+)
 from graphpipe.core.stages import Plan
 from graphpipe.errors import PlanError
 from graphpipe.planning.engine import fits, run_search, unlimited_plan
@@ -67,21 +71,33 @@ def no_plan_error(
       f"no {planner} plan exists for {devices} devices even without a "
       "memory limit (internal: every stage time was infinite)"
     )
+  # No plan on any number of devices holds less than the floor: the
+  # bisection starts there, and more devices are no remedy below it.
+  floor, heaviest = memory_floor(graph, batch)
   # Bisect the per-device memory to 1% (a budget over the unlimited plan's
   # peak fits: `plan` falls back to that plan).
-  low, high = float(memory), _peak_memory(unlimited, graph)
+  low, high = max(float(memory), float(floor)), _peak_memory(unlimited, graph)
   while high > low * 1.01:
     middle = math.sqrt(low * high)
     found = fits(graph, devices, batch, planner, model, middle, sizes)
     low, high = (low, middle) if found else (middle, high)
   more, more_devices = None, devices
-  while more is None and more_devices < min(4 * devices, 64):
+  while (
+    floor <= memory and more is None and more_devices < min(4 * devices, 64)
+  ):
     more_devices = min(2 * more_devices, 64)
     args = (graph, more_devices, batch, planner, model, memory, sizes)
     feasible = fits(*args)
     if feasible or _unbounded_fit(*args) is not None:
       more = more_devices
   hint = f", or use at least {more} devices" if more else ""
+  if floor > memory:
+    hint = (
+      f" (more devices cannot help: node {heaviest!r} alone makes every "
+      f"device of any plan hold at least {floor / gib:.3g} GiB, parameter, "
+      "gradient, optimizer and working-gradient slots of its size and the "
+      "batch)"
+    )
   return PlanError(
     f"no {planner} plan for {graph.model or 'the graph'} fits "
     f"{memory / gib:.3g} GiB per device on {devices} devices "

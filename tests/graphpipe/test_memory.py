@@ -15,7 +15,13 @@ import pytest
 
 import graphpipe
 from graphpipe import PlanError, Trainer
-from graphpipe.core.memory import KINDS, MODEL_KINDS, check_memory, plan_memory
+from graphpipe.core.memory import (
+  KINDS,
+  MODEL_KINDS,
+  check_memory,
+  memory_floor,
+  plan_memory,
+)
 from tests.graphpipe import runtime_cases as rc
 
 MIB = 2**20
@@ -91,6 +97,20 @@ def test_planner_refuses_plans_whose_padded_figure_is_over_budget():
     assert plan_memory(graph, chosen).largest <= budget
   with pytest.raises(PlanError, match="Without a limit, device .* holds"):
     graphpipe.plan(graph, 4, 16, memory_bytes=need / 50)
+
+
+def test_no_plan_error_says_when_more_devices_cannot_help():
+  graph = rc.tiny_graph("dlrm")
+  floor, heaviest = memory_floor(graph, 16)
+  # The floor is below every plan's figure (the random-graph test checks
+  # it on hundreds of graphs): here on the planner's own plans.
+  for devices in (1, 4, 8):
+    chosen = graphpipe.plan(graph, devices, 16)
+    assert floor <= plan_memory(graph, chosen).largest
+  with pytest.raises(PlanError, match="more devices cannot help") as info:
+    graphpipe.plan(graph, 4, 16, memory_bytes=0.9 * floor)
+  assert repr(heaviest) in str(info.value)
+  assert "use at least" not in str(info.value)
 
 
 def test_memory_report_of_an_abstract_paper_model():

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import graphpipe
 from graphpipe import costs
-from graphpipe.core.memory import plan_memory
+from graphpipe.core.memory import memory_floor, plan_memory
 from graphpipe.core.stages import Plan, Stage
 from graphpipe.errors import PlanError
 from graphpipe.planning.stage_costs import StageCosts
@@ -118,8 +118,10 @@ def _check_invariants(p, graph, memory):
   for s in p.stages:
     assert _convex(graph, s.nodes), (s, p)
   # Every device within the budget by the shared per-device rule (SPMD
-  # padding included).
-  assert plan_memory(graph, p).largest <= memory * (1 + TOL)
+  # padding included), and never below the floor the no-plan error uses.
+  largest = plan_memory(graph, p).largest
+  assert largest <= memory * (1 + TOL)
+  assert memory_floor(graph, p.batch_size)[0] <= largest
   low, high = _bounds(p, graph)
   for kind in ("1f1b", "gpipe"):
     schedule = graphpipe.schedule_for(p, kind)
