@@ -101,7 +101,7 @@ def run_search(
     """(estimate, in flight at the source, -b, plan), None if over memory."""
     if part not in candidates:
       p = assemble(graph, part, costs, planner, fingerprint)
-      fits = all(
+      ok = all(
         costs.in_flight_capacity(s.nodes, s.micro_batch_size, len(s.devices))
         >= s.in_flight
         for s in p.stages
@@ -109,12 +109,12 @@ def run_search(
       candidates[part] = None
       # Every device holds what the largest stage needs (SPMD): the
       # runtime's per-device figure, not each stage's own, must fit.
-      if fits:
+      if ok:
         memory = plan_memory(graph, p)
-        fits = memory.largest_of(memory_kinds) <= costs.memory_bytes
+        ok = memory.largest_of(memory_kinds) <= costs.memory_bytes
         if max_padding is not None:
-          fits = fits and memory.padding_fraction <= max_padding
-      if fits:
+          ok = ok and memory.padding_fraction <= max_padding
+      if ok:
         estimate = estimate_iteration_time(p, graph, timing)
         candidates[part] = (
           estimate,
@@ -133,20 +133,20 @@ def run_search(
         if evaluate(spent) is not None:
           continue
       evaluate(part)
-  whole = (tuple(range(len(graph.nodes))), 1)
+  everything = tuple(range(len(graph.nodes)))
   if max_padding is not None:
     # No padding at all: the whole model on k devices, data parallel.
     for b in sizes:
       for k in range(1, num_devices + 1):
         if num_devices % k == 0 and b % k == 0:
-          evaluate(Partition(((whole[0], k),), b))
+          evaluate(Partition(((everything, k),), b))
   if not any(c is not None for c in candidates.values()):
     # Every device holds what the largest stage needs, and replicas hold
     # their gradient sums: where no pipeline fits, the whole model on one
     # device (the others idle) still may, and every planner can make it.
     schedule = "gpipe" if planner == "gpipe" else "1f1b"
     for b in sizes:
-      evaluate(Partition((whole,), b, schedule=schedule))
+      evaluate(Partition(((everything, 1),), b, schedule=schedule))
   ranked = sorted(
     ((c[:3], part) for part, c in candidates.items() if c is not None),
     key=lambda x: x[0],

@@ -56,8 +56,8 @@ def padding_error(
 def _unbounded_fit(graph, devices, batch, planner, model, memory, sizes):
   """The plan searched without a memory limit, if it fits `memory`."""
   found = unlimited_plan(graph, devices, batch, planner, model, sizes)
-  fits = found is not None and _peak_memory(found, graph) <= memory
-  return found if fits else None
+  ok = found is not None and _peak_memory(found, graph) <= memory
+  return found if ok else None
 
 
 def no_plan_error(
