@@ -123,30 +123,44 @@ class DPSolver:
     """Children 0..j of series node x (the DP runs from the sink back)."""
     if j < 0:
       return 0, None
-    depth = min(depth, self.tree.prefix_depth[x][j])
+    prefix = self.tree.prefix_depth[x]
+    depth = min(depth, prefix[j])
     key = ("s", x, j, depth, after)
-    if key in self.memo:
-      return self.memo[key]
+    memo = self.memo
+    found = memo.get(key)
+    if found is not None:
+      return found
+    # The loop below is the partitioner's hot path: memo hits are read
+    # inline (same keys as `series` and `base` build) to skip a call each.
+    base_memo, base = self.base_memo, self.base
+    ranges, absorbs = self.tree.range_base, self.tree.absorb_base
+    better = self._better
+    flight = after + 1
     best, choice = _INF, None
     for s in range(j, -1, -1):
-      base_id = self.tree.range_base[(x, s, j)]
-      k = self.base(base_id, after + 1)
+      base_id = ranges[(x, s, j)]
+      k = base_memo.get((base_id, flight))
+      if k is None:
+        k = base(base_id, flight)
       if k >= _INF:
-        if self.base(base_id, 1) >= _INF:
+        if base(base_id, 1) >= _INF:
           break  # longer ranges only get slower and larger
         continue
       if s == 0:
         total = k
       elif depth >= 2:
-        total = k + self.series(x, s - 1, depth - 1, after + 1)[0]
+        rest = memo.get(("s", x, s - 1, min(depth - 1, prefix[s - 1]), flight))
+        if rest is None:
+          rest = self.series(x, s - 1, depth - 1, flight)
+        total = k + rest[0]
       else:
         continue
-      if self._better(total, best):
+      if better(total, best):
         best, choice = total, ("stage", s, base_id, k)
-      if depth >= 2:
+      if depth >= 2 and (x, s, j) in absorbs:
         for i, c, absorb_id, k2 in self._absorbing(x, s, j, after):
-          rest = self.trimmed(x, s - 1, i, c, depth - 1, after + 1)[0]
-          if self._better(k2 + rest, best):
+          rest = self.trimmed(x, s - 1, i, c, depth - 1, flight)[0]
+          if better(k2 + rest, best):
             best, choice = k2 + rest, ("absorb", s, i, c, absorb_id, k2)
     child = self.tree.children[x][j]
     if self.tree.kind[child] != "leaf":
@@ -161,9 +175,9 @@ class DPSolver:
           total = own + self.series(x, j - 1, depth - inner, after + inner)[0]
         else:
           continue
-        if self._better(total, best):
+        if better(total, best):
           best, choice = total, ("child", inner)
-    self.memo[key] = (best, choice)
+    memo[key] = (best, choice)
     return best, choice
 
   def _absorbing(self, x: int, s: int, j: int, after: int):

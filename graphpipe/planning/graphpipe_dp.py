@@ -113,18 +113,24 @@ class GraphPipePartitioner:
     counts = [
       k for k in range(1, costs.num_devices + 1) if micro_batch % k == 0
     ]
+    # (k, in-flight capacity) per candidate stage, for both metrics.
+    fitting = []
+    for nodes in self.tree.base_nodes:
+      fitting.append([])
+      for k in counts:
+        cap = costs.in_flight_capacity(nodes, micro_batch, k)
+        if cap >= 1:
+          fitting[-1].append((k, cap))
     found = []
     for metric in (costs.time_per_sample, costs.steady_time_per_sample):
       options = []
       targets = set()
-      for nodes in self.tree.base_nodes:
+      for nodes, fits in zip(self.tree.base_nodes, fitting):
         row = []
-        for k in counts:
-          cap = costs.in_flight_capacity(nodes, micro_batch, k)
-          if cap >= 1:
-            tps = metric(nodes, micro_batch, k)
-            row.append((k, tps, cap))
-            targets.add(tps)
+        for k, cap in fits:
+          tps = metric(nodes, micro_batch, k)
+          row.append((k, tps, cap))
+          targets.add(tps)
         options.append(row)
       front = DPSolver(self.tree, options, costs.num_devices)
       back = DPSolver(self.tree, options, costs.num_devices, fill="back")
@@ -135,7 +141,8 @@ class GraphPipePartitioner:
 
       found += frontier(
         sorted(targets),
-        self.tree.depth[self.tree.root],
+        # Every stage takes a device, so no plan is deeper than the devices.
+        min(self.tree.depth[self.tree.root], costs.num_devices),
         front.feasible,
         solve,
       )
