@@ -125,7 +125,7 @@ class GraphPipePartitioner:
     for metric in (costs.time_per_sample, costs.steady_time_per_sample):
       options = []
       targets = set()
-      for nodes, fits in zip(self.tree.base_nodes, fitting):
+      for nodes, fits in zip(self.tree.base_nodes, fitting, strict=True):
         row = []
         for k, cap in fits:
           tps = metric(nodes, micro_batch, k)
