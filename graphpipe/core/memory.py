@@ -379,6 +379,7 @@ def memory_floor(
   graph: OpGraph,
   batch_size: int,
   optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS,
+  kinds: Sequence[str] = KINDS,
 ) -> tuple[int, str]:
   """A lower bound of the bytes every device holds in any plan of `graph`,
   on any number of devices, and the node that sets it.
@@ -388,7 +389,8 @@ def memory_floor(
   the same for the non-trainable state) and the whole batch; the bound is
   `device_bytes` of those slots alone (no stashes, channels, tables or
   transient work, no data-parallel copies), so it is never above
-  `plan_memory(graph, p).largest` for any plan p.
+  `plan_memory(graph, p).largest` for any plan p. Each kind is bounded
+  alone, so the sum over `kinds` bounds `largest_of(kinds)` too.
   """
   heaviest = max(graph.nodes, key=lambda n: n.param_bytes)
   params = max(1, heaviest.param_bytes // 4)
@@ -405,7 +407,8 @@ def memory_floor(
     own_param_elements=(),
     stages=(),
   )
-  return sum(device_bytes(floor).values()), heaviest.name
+  held = device_bytes(floor)
+  return sum(held[kind] for kind in kinds), heaviest.name
 
 
 def plan_memory(

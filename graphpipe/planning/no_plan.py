@@ -8,6 +8,7 @@ import math
 
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import (
+  KINDS,
   memory_floor,
   over_budget_message,
   plan_memory,
@@ -53,18 +54,21 @@ def padding_error(
   )
 
 
-def _unbounded_fit(graph, devices, batch, planner, model, memory, sizes):
+def _unbounded_fit(
+  graph, devices, batch, planner, model, memory, sizes, kinds=KINDS
+):
   """The plan searched without a memory limit, if it fits `memory`."""
   found = unlimited_plan(graph, devices, batch, planner, model, sizes)
-  ok = found is not None and _peak_memory(found, graph) <= memory
+  ok = found is not None and _peak_memory(found, graph, kinds) <= memory
   return found if ok else None
 
 
 def no_plan_error(
-  graph, devices, batch, planner, model, memory, sizes, unlimited
+  graph, devices, batch, planner, model, memory, sizes, unlimited, kinds=KINDS
 ):
   """Says what memory (or how many devices) would have allowed a plan;
-  `unlimited` is the plan searched without a memory limit (or None)."""
+  `unlimited` is the plan searched without a memory limit (or None); the
+  budget bounds the memory `kinds` (`graphpipe.core.memory.KINDS`)."""
   gib = 2**30
   if unlimited is None:
     return PlanError(
@@ -73,13 +77,14 @@ def no_plan_error(
     )
   # No plan on any number of devices holds less than the floor: the
   # bisection starts there, and more devices are no remedy below it.
-  floor, heaviest = memory_floor(graph, batch)
+  floor, heaviest = memory_floor(graph, batch, kinds=kinds)
   # Bisect the per-device memory to 1% (a budget over the unlimited plan's
   # peak fits: `plan` falls back to that plan).
-  low, high = max(float(memory), float(floor)), _peak_memory(unlimited, graph)
+  low = max(float(memory), float(floor))
+  high = _peak_memory(unlimited, graph, kinds)
   while high > low * 1.01:
     middle = math.sqrt(low * high)
-    found = fits(graph, devices, batch, planner, model, middle, sizes)
+    found = fits(graph, devices, batch, planner, model, middle, sizes, kinds)
     low, high = (low, middle) if found else (middle, high)
   more, more_devices = None, devices
   while (
@@ -87,20 +92,25 @@ def no_plan_error(
   ):
     more_devices = min(2 * more_devices, 64)
     args = (graph, more_devices, batch, planner, model, memory, sizes)
-    feasible = fits(*args)
-    if feasible or _unbounded_fit(*args) is not None:
+    feasible = fits(*args, kinds)
+    if feasible or _unbounded_fit(*args, kinds) is not None:
       more = more_devices
   hint = f", or use at least {more} devices" if more else ""
+  counted = "" if set(kinds) == set(KINDS) else f" of {', '.join(kinds)}"
   if floor > memory:
+    slots = (
+      "parameter, gradient, optimizer and working-gradient slots of its "
+      "size and the batch"
+      if not counted
+      else f"slots of its size{counted}"
+    )
     hint = (
       f" (more devices cannot help: node {heaviest!r} alone makes every "
-      f"device of any plan hold at least {floor / gib:.3g} GiB, parameter, "
-      "gradient, optimizer and working-gradient slots of its size and the "
-      "batch)"
+      f"device of any plan hold at least {floor / gib:.3g} GiB, {slots})"
     )
   return PlanError(
     f"no {planner} plan for {graph.model or 'the graph'} fits "
-    f"{memory / gib:.3g} GiB per device on {devices} devices "
+    f"{memory / gib:.3g} GiB{counted} per device on {devices} devices "
     f"(batch {batch}, micro-batches {sizes}): the smallest per-device "
     f"memory that fits is about {high / gib:.3g} GiB; raise memory_bytes "
     f"or pick a device with more memory{hint}. Without a limit, "
@@ -110,5 +120,5 @@ def no_plan_error(
   )
 
 
-def _peak_memory(p: Plan, graph: OpGraph) -> float:
-  return plan_memory(graph, p).largest
+def _peak_memory(p: Plan, graph: OpGraph, kinds=KINDS) -> float:
+  return plan_memory(graph, p).largest_of(kinds)

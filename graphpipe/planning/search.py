@@ -182,7 +182,7 @@ def plan(
     else:
       if max_padding is not None:
         unlimited = run_search(*args, math.inf, sizes, **options)
-      raise no_plan_error(*args, memory_bytes, sizes, unlimited)
+      raise no_plan_error(*args, memory_bytes, sizes, unlimited, memory_kinds)
   return dataclasses.replace(
     best,
     device=device_name,

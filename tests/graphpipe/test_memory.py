@@ -113,6 +113,33 @@ def test_no_plan_error_says_when_more_devices_cannot_help():
   assert "use at least" not in str(info.value)
 
 
+def test_no_plan_error_counts_the_kinds_the_budget_bounds():
+  # A budget on the model's kinds only (what tightest_plan squeezes): the
+  # figure the error names is bisected on those kinds, so a plan exists
+  # just over it and none a few percent under it.
+  graph = rc.tiny_graph("dlrm")
+  unlimited = plan_memory(graph, graphpipe.plan(graph, 4, 16))
+  tightest = plan_memory(graph, graphpipe.tightest_plan(graph, 4, 16))
+  budget = 0.9 * tightest.largest_of(MODEL_KINDS)
+  with pytest.raises(PlanError, match="smallest per-device memory") as info:
+    graphpipe.plan(graph, 4, 16, memory_bytes=budget, memory_kinds=MODEL_KINDS)
+  text = str(info.value)
+  assert "of parameters, gradients, optimizer, state per device" in text
+  named = float(text.split("fits is about ")[1].split(" GiB")[0]) * 2**30
+  assert named < unlimited.largest  # all kinds would name more
+  chosen = graphpipe.plan(
+    graph, 4, 16, memory_bytes=1.01 * named, memory_kinds=MODEL_KINDS
+  )
+  assert plan_memory(graph, chosen).largest_of(MODEL_KINDS) <= 1.01 * named
+  with pytest.raises(PlanError):
+    graphpipe.plan(
+      graph, 4, 16, memory_bytes=0.97 * named, memory_kinds=MODEL_KINDS
+    )
+  floor = memory_floor(graph, 16, kinds=MODEL_KINDS)[0]
+  assert floor <= plan_memory(graph, chosen).largest_of(MODEL_KINDS)
+  assert floor < memory_floor(graph, 16)[0]
+
+
 def test_memory_report_of_an_abstract_paper_model():
   graph = graphpipe.models.capture_zoo("two_branch", "paper")
   plan = graphpipe.plan(graph, 8, 8)

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import graphpipe
 from graphpipe import costs
-from graphpipe.core.memory import memory_floor, plan_memory
+from graphpipe.core.memory import MODEL_KINDS, memory_floor, plan_memory
 from graphpipe.core.stages import Plan, Stage
 from graphpipe.errors import PlanError
 from graphpipe.planning.stage_costs import StageCosts
@@ -119,9 +119,12 @@ def _check_invariants(p, graph, memory):
     assert _convex(graph, s.nodes), (s, p)
   # Every device within the budget by the shared per-device rule (SPMD
   # padding included), and never below the floor the no-plan error uses.
-  largest = plan_memory(graph, p).largest
+  report = plan_memory(graph, p)
+  largest = report.largest
   assert largest <= memory * (1 + TOL)
   assert memory_floor(graph, p.batch_size)[0] <= largest
+  floor = memory_floor(graph, p.batch_size, kinds=MODEL_KINDS)[0]
+  assert floor <= report.largest_of(MODEL_KINDS)
   low, high = _bounds(p, graph)
   for kind in ("1f1b", "gpipe"):
     schedule = graphpipe.schedule_for(p, kind)
