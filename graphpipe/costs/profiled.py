@@ -88,9 +88,13 @@ def _interpolate(sizes: Sequence[float], times: Sequence[float], x: float):
   i = int(np.clip(np.searchsorted(sizes, x), 1, len(sizes) - 1))
   x0, x1, y0, y1 = sizes[i - 1], sizes[i], times[i - 1], times[i]
   value = y0 + (x - x0) * (y1 - y0) / (x1 - x0)
-  # Below the smallest measured size time cannot fall faster than the
-  # batch: keep at least the proportional share of the smallest time.
-  return max(value, times[0] * min(x / sizes[0], 1.0))
+  # No batch is faster than the smallest measured size, and below it time
+  # falls at most with the batch: between the smallest time's proportional
+  # share and the smallest time (tiny nodes' times can fall with the batch
+  # by noise, which the nearest segment would extrapolate).
+  if x < sizes[0]:
+    return min(max(value, times[0] * x / sizes[0]), times[0])
+  return max(value, times[0])
 
 
 class ProfiledCostModel:
