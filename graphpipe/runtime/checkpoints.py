@@ -42,6 +42,7 @@ def save(trainer, state, directory: str) -> None:
     if faults.armed("save") == step:
       faults.die()
     checkpointer.wait_until_finished()
+    checkpointer.close()
   except Exception as err:  # orbax's barriers fail in several ways
     if jax.process_count() == 1:
       raise
@@ -101,9 +102,12 @@ def restore(trainer, directory: str):
       f"(saved {mark['signature']}, this trainer {trainer._signature()})"
     )
   try:
-    state = ocp.StandardCheckpointer().restore(
-      os.path.join(directory, STATE), trainer._abstract_state()
-    )
+    # Closed on the way out, failed reads included: an unclosed checkpointer
+    # leaves its background event loop to the garbage collector.
+    with ocp.StandardCheckpointer() as checkpointer:
+      state = checkpointer.restore(
+        os.path.join(directory, STATE), trainer._abstract_state()
+      )
   except Exception as err:  # orbax and tensorstore raise many kinds
     raise PipelineRuntimeError(
       f"{directory}: the saved arrays cannot be read ({type(err).__name__}: "
