@@ -49,6 +49,7 @@ from graphpipe import capture, models, plan, simulate
 from graphpipe.costs import AnalyticCostModel, device_spec
 from graphpipe.errors import GraphpipeError, PlanError
 from graphpipe.planning.piper import PIPER_BUDGET
+from graphpipe.simulator import iteration_floor
 
 PLANNERS = ("graphpipe", "sequential", "piper")
 BASELINES = ("sequential", "piper")
@@ -211,6 +212,18 @@ def branch_sweep(setup: Setup, progress) -> dict:
     "rows": rows,
     "speedup": speedups(rows, "branches"),
     "largest_layer_bytes": heaviest,
+    # The iteration no plan beats: the speed-up over sequential it caps.
+    "floor": {
+      branches: dataclasses.asdict(
+        iteration_floor(
+          setup.graph("candle_uno", branches),
+          models.default_batch_size("candle_uno", setup.sweep_devices),
+          setup.sweep_devices,
+          setup.cost_model(),
+        )
+      )
+      for branches in setup.branches
+    },
   }
 
 

@@ -2,8 +2,10 @@
 
 engine    `simulate`, `Report`: the event model (async or lock-step)
 timeline  Perfetto (Chrome trace event) files and Gantt charts
+bounds    `iteration_floor`: no plan of a graph simulates faster
 """
 
+from graphpipe.simulator.bounds import Floor, iteration_floor
 from graphpipe.simulator.engine import Report, simulate
 
-__all__ = ["Report", "simulate"]
+__all__ = ["Floor", "Report", "iteration_floor", "simulate"]

@@ -84,6 +84,26 @@ def test_the_report_sets_each_figure_beside_the_paper(results):
   assert f"{ratio:.2f}x" in text
 
 
+def test_no_plan_of_the_sweep_beats_its_floor(results):
+  found, out = results
+  sweep = found["branch_sweep"]
+  for branches, floor in sweep["floor"].items():
+    assert floor["seconds"] > 0 and floor["node"]
+    for row in sweep["rows"]:
+      if row["branches"] == branches and "error" not in row:
+        assert floor["seconds"] <= row["iteration_time_s"] * (1 + 1e-9)
+  # The report sets the ceiling (sequential over the floor) in its table.
+  (branches,) = sweep["floor"]
+  seq = next(
+    r
+    for r in sweep["rows"]
+    if r["planner"] == "sequential" and r["branches"] == branches
+  )
+  ceiling = seq["iteration_time_s"] / sweep["floor"][branches]["seconds"]
+  text = (out / "REPRODUCTION.md").read_text()
+  assert f"{ceiling:.2f}x" in text and "Ceiling:" in text
+
+
 def test_piper_reports_no_plan_when_its_budget_runs_out(results):
   found, _ = results
   piper = [r for r in found["throughput"]["rows"] if r["planner"] == "piper"]

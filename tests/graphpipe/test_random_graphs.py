@@ -30,6 +30,7 @@ from graphpipe.core.memory import MODEL_KINDS, memory_floor, plan_memory
 from graphpipe.core.stages import Plan, Stage
 from graphpipe.errors import PlanError
 from graphpipe.planning.stage_costs import StageCosts
+from graphpipe.simulator import iteration_floor
 from tests.graphpipe.brute_force import _convex
 from tests.graphpipe.random_graphs import op_graphs
 
@@ -126,12 +127,15 @@ def _check_invariants(p, graph, memory):
   floor = memory_floor(graph, p.batch_size, kinds=MODEL_KINDS)[0]
   assert floor <= report.largest_of(MODEL_KINDS)
   low, high = _bounds(p, graph)
+  # No plan on these devices beats the floor of its slowest node alone.
+  fastest = iteration_floor(graph, p.batch_size, p.num_devices, V100)
   for kind in ("1f1b", "gpipe"):
     schedule = graphpipe.schedule_for(p, kind)
     graphpipe.check_schedule(schedule)
     report = graphpipe.simulate(p, graph, V100, schedule)
     t = report.iteration_time_s
     assert low * (1 - TOL) <= t <= high * (1 + TOL), (kind, low, t, high)
+    assert fastest.seconds <= t * (1 + TOL), (kind, fastest, t)
     if kind == p.schedule:
       # The schedule stashes no more than the plan's in-flight counts.
       assert report.max_peak_memory_bytes <= memory * (1 + TOL)

@@ -13,6 +13,7 @@ from graphpipe.core.memory import plan_memory
 from graphpipe.errors import SimulationError
 from graphpipe.schedules.builders import gpipe, one_f_one_b, schedule_for
 from graphpipe.simulator import timeline as trace
+from graphpipe.simulator.bounds import iteration_floor, node_floor
 from graphpipe.simulator.engine import simulate
 from tests.graphpipe.test_schedule import (
   FEW,
@@ -110,6 +111,32 @@ def test_transfers_allreduce_and_optimizer_add_up_on_two_stages():
   assert report.iteration_time_s == pytest.approx(expected)
   names = {e.category for e in report.events}
   assert names == {"forward", "backward", "transfer", "allreduce", "optimizer"}
+
+
+def test_the_floor_is_one_node_alone_and_no_plan_beats_it():
+  # One node on 2 devices, the whole batch as one micro-batch: the stage
+  # does exactly what the floor counts (compute, all-reduce, optimizer).
+  costs = UnitCosts(allreduce_s_per_byte=0.01, optimizer_s_per_byte=0.01)
+  graph = make_graph(chain(1))
+  plan = make_plan(chain(1), 1, [2], micro_batch_size=4)
+  seconds, devices = node_floor(graph, 0, 4, 2, costs)
+  # 4 samples x 3 s of compute + 0.64 s of optimizer on one device; on
+  # two, half the compute, a 0.64 s all-reduce and the optimizer.
+  assert (seconds, devices) == (pytest.approx(6 + 0.64 + 0.64), 2)
+  assert simulate(plan, graph, costs).iteration_time_s == pytest.approx(seconds)
+  floor = iteration_floor(graph, 4, 2, costs)
+  assert (floor.seconds, floor.node) == (pytest.approx(seconds), "n0")
+
+
+@FEW
+@given(plans(), st.floats(0.0, 2.0), st.floats(0.0, 1.0))
+def test_no_plan_simulates_under_the_floor(plan, transfer, allreduce):
+  graph = make_graph((plan.num_stages, plan.stage_edges))
+  costs = UnitCosts(transfer, allreduce, 0.001)
+  floor = iteration_floor(graph, plan.batch_size, plan.num_devices, costs)
+  for schedule in (one_f_one_b(plan), gpipe(plan)):
+    report = simulate(plan, graph, costs, schedule)
+    assert floor.seconds <= report.iteration_time_s * (1 + 1e-9)
 
 
 def test_a_slow_link_delays_the_receiver_and_queues_transfers():
