@@ -200,9 +200,9 @@ def _ceiling_sentences(results, series) -> list[str]:
     return []
   paper = PAPER["branch_sweep"]["speedup_at_16"]
   verdict = (
-    f"so the paper's {paper}x is out of reach for any planner here"
+    f"the paper's {paper}x is out of reach for any planner here"
     if cap < paper
-    else f"which leaves room up to the paper's {paper}x"
+    else f"room up to the paper's {paper}x"
   )
   return [
     f"Ceiling: at {most} branches node `{floor['node']}` alone takes at "
@@ -211,7 +211,7 @@ def _ceiling_sentences(results, series) -> list[str]:
     "its forward and backward over the whole "
     "batch in one micro-batch, its gradient all-reduce and its optimizer "
     "step; `graphpipe.simulator.iteration_floor`), so no plan in this "
-    f"cost model beats sequential by more than {cap:.2f}x, {verdict}; "
+    f"cost model beats sequential by more than {cap:.2f}x ({verdict}); "
     f"GraphPipe reaches {ratio / cap:.0%} of that ceiling (the floor "
     "counts neither the pipeline's fill nor the smaller micro-batches that "
     "a pipeline needs)."
