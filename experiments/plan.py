@@ -16,8 +16,10 @@ writes to DIR:
                  channels, batch, work; from the runtime's own layout),
                  padding_fraction (parameter and optimizer bytes held
                  beyond each device's own stage / all held), the
-                 planner's bound beside them, plus the config and the
-                 environment.
+                 planner's bound beside them, iteration_floor_s and
+                 iteration_floor_node (no plan on these devices simulates
+                 faster: `graphpipe.simulator.iteration_floor`; analytic
+                 costs only), plus the config and the environment.
 
 Default batch size (our choice; PAPERS.md has no table): the zoo's
 `default_batch_size` is the mini-batch of one 4-GPU Summit node, and larger
@@ -38,12 +40,13 @@ from absl import app, flags
 from experiments import common
 from graphpipe import PLANNERS, memory_report, models, plan_and_simulate
 from graphpipe.core.memory import plan_memory
-from graphpipe.costs import device_spec
+from graphpipe.costs import AnalyticCostModel, device_spec
 from graphpipe.errors import (
   GraphpipeError,
   PipelineRuntimeError,
   PlotsUnavailableError,
 )
+from graphpipe.simulator import iteration_floor
 
 
 def run(
@@ -118,8 +121,25 @@ def run(
     f"{max(memory['total_bytes_per_device']) / 2**30:.3g} GiB, padding "
     f"{memory['padding_fraction']:.1%} of parameter and optimizer bytes"
   )
+  # No plan on these devices is faster (analytic costs only: the bound
+  # needs times per sample that do not grow with the batch).
+  floor = (
+    None
+    if profiled
+    else iteration_floor(
+      graph, chosen, num_devices, AnalyticCostModel(device_spec(device))
+    )
+  )
+  if floor is not None:
+    common.log(
+      f"      floor: no plan is faster than {floor.seconds * 1e3:.4g} ms "
+      f"(node {floor.node!r} alone); this plan is "
+      f"{report.iteration_time_s / floor.seconds:.2f}x of it"
+    )
   results = {
     **common.plan_summary(plan, report),
+    "iteration_floor_s": floor.seconds if floor else None,
+    "iteration_floor_node": floor.node if floor else None,
     "model": model,
     "config": {
       "model": model,

@@ -67,6 +67,9 @@ def test_plan_writes_every_output(tmp_path):
   assert results["config"]["batch_size_source"] == "default"
   assert results["throughput_samples_per_s"] > 0
   assert 0 <= results["bubble_fraction"] < 1
+  # No plan is faster than the floor; this one is not below it.
+  assert 0 < results["iteration_floor_s"] <= results["iteration_time_s"]
+  assert results["iteration_floor_node"]
   trace = json.loads((tmp_path / "trace.json").read_text())
   assert any(e["ph"] == "X" for e in trace["traceEvents"])
   schedule = json.loads((tmp_path / "schedule.json").read_text())
