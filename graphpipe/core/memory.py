@@ -24,6 +24,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from graphpipe.core.channels import channel_items, color_pairs, overlaps
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.errors import PlanError
@@ -315,12 +316,21 @@ def plan_holdings(
       for a, b in plan.stage_edges
     ]
   )
-  pairs = {
-    (x, y)
-    for a, b in plan.stage_edges
-    for x in plan.stages[a].devices
-    for y in plan.stages[b].devices
-  }
+  # The runtime's ppermute channels, exactly (`graphpipe.core.channels`).
+  channels = max(
+    1,
+    len(
+      color_pairs(
+        channel_items(
+          overlaps(
+            [s.devices for s in plan.stages],
+            [s.micro_batch_size for s in plan.stages],
+            plan.stage_edges,
+          )
+        )
+      )
+    ),
+  )
   largest = lambda key: max(1, max(s[key] for s in per_stage))
   params = largest("params")
   stage_of = [-1] * plan.num_devices
@@ -336,10 +346,10 @@ def plan_holdings(
     stash_elements=(largest("in") + largest("out")) * most
     + 2 * transfer
     + (largest("res") * most if not recompute else 1),
-    channel_elements=max(1, 2 * len(pairs)) * transfer,
+    channel_elements=channels * transfer,
     batch_bytes=batch_bytes(graph, plan.batch_size),
     work_bytes=max(s["work"] for s in per_stage),
-    table_bytes=table_bytes(plan, 2 * max(1, len(pairs))),
+    table_bytes=table_bytes(plan, channels),
     replicas=max(len(s.devices) for s in plan.stages),
     own_param_elements=tuple(own),
     stages=tuple(stage_of),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from graphpipe.core.channels import overlaps
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.errors import PipelineRuntimeError
@@ -321,29 +322,14 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
         loss_keys=tuple(k for k in produced if k in loss_keys),
       )
     )
-  transfers = []
-  for e, edge in enumerate(edges):
-    src, dst = stages[edge.src], stages[edge.dst]
-    # Rows of the destination's micro-batch: piece p of it is the source's
-    # micro-batch rows shifted by p times the source's size.
-    for piece in range(dst.size // src.size):
-      base = piece * src.size
-      for i, sd in enumerate(src.devices):
-        for j, dd in enumerate(dst.devices):
-          lo = max(base + i * src.chunk, j * dst.chunk)
-          hi = min(base + (i + 1) * src.chunk, (j + 1) * dst.chunk)
-          if lo < hi:
-            transfers.append(
-              Transfer(
-                e,
-                sd,
-                dd,
-                lo - base - i * src.chunk,
-                lo - j * dst.chunk,
-                hi - lo,
-                piece,
-              )
-            )
+  transfers = [
+    Transfer(e, sd, dd, src_row, dst_row, rows, piece)
+    for e, sd, dd, piece, src_row, dst_row, rows in overlaps(
+      [s.devices for s in plan.stages],
+      [s.micro_batch_size for s in plan.stages],
+      plan.stage_edges,
+    )
+  ]
   param_shapes = {
     k: (tuple(a.shape), str(a.dtype))
     for k, a in key_avals.items()

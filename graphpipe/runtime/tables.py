@@ -18,10 +18,10 @@ predecessor (one per predecessor micro-batch).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import numpy as np
 
+from graphpipe.core.channels import channel_items, color_pairs
 from graphpipe.errors import PipelineRuntimeError
 from graphpipe.runtime.layout import Layout
 from graphpipe.schedules.grid import Schedule
@@ -48,11 +48,12 @@ class Channels:
 
 def make_channels(layout: Layout) -> Channels:
   """The channels of every transfer of `layout`, both directions."""
-  items = []
-  for t in layout.transfers:
-    items.append((t.src_device, t.dst_device, "F", t.piece))  # activations
-    items.append((t.dst_device, t.src_device, "B", t.piece))  # gradients
-  colored = color_pairs(items)
+  # Activations forward, gradients back (`graphpipe.core.channels`).
+  colored = color_pairs(
+    channel_items(
+      (t.edge, t.src_device, t.dst_device, t.piece) for t in layout.transfers
+    )
+  )
   return Channels(
     groups=tuple(tuple(item[:2] for item in g) for g in colored),
     channel_of={item: c for c, group in enumerate(colored) for item in group},
@@ -258,25 +259,6 @@ def _set_recv(arrays, t, device, channel, *, grad, slot, offset, length):
   arrays["recv_slot"][t, device, channel] = slot
   arrays["recv_offset"][t, device, channel] = offset
   arrays["recv_len"][t, device, channel] = length
-
-
-def color_pairs(pairs: Sequence[tuple]) -> list[list[tuple]]:
-  """Groups (src, dst, ...) items into permutations (ppermute calls).
-
-  A bipartite edge colouring: each group has unique sources and unique
-  destinations (the first two entries of each item; further entries tell
-  apart items of one device pair, which then get groups of their own).
-  Greedy by first fit, enough for pipeline fan-in/fan-out.
-  """
-  groups: list[list[tuple]] = []
-  for pair in sorted(set(pairs)):
-    for group in groups:
-      if all(pair[0] != a[0] and pair[1] != a[1] for a in group):
-        group.append(pair)
-        break
-    else:
-      groups.append([pair])
-  return groups
 
 
 def allocate_slots(
