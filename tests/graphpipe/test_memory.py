@@ -15,11 +15,13 @@ import pytest
 
 import graphpipe
 from graphpipe import PlanError, Trainer
+from graphpipe.core.channels import channel_items, color_pairs, overlaps
 from graphpipe.core.memory import (
   KINDS,
   MODEL_KINDS,
   check_memory,
   memory_floor,
+  plan_holdings,
   plan_memory,
 )
 from tests.graphpipe import runtime_cases as rc
@@ -56,7 +58,19 @@ def test_prediction_bounds_the_compiled_step(
   for mine, theirs in zip(alone.per_device, bound.per_device, strict=True):
     assert set(mine) == set(KINDS)
     assert mine["parameters"] == theirs["parameters"]
+    assert mine["channels"] <= theirs["channels"]
     assert sum(mine.values()) <= sum(theirs.values())
+  # The planner charges the runtime's own channel count; the blocks differ
+  # only by the planner's bound on the largest transfer.
+  transfers = overlaps(
+    [s.devices for s in plan.stages],
+    [s.micro_batch_size for s in plan.stages],
+    plan.stage_edges,
+  )
+  channels = len(color_pairs(channel_items(transfers)))
+  assert max(1, channels) == trainer.buffers.channels
+  per_channel = plan_holdings(graph, plan).channel_elements / max(1, channels)
+  assert per_channel >= trainer.buffers.channel
   assert alone.padding_fraction == pytest.approx(
     bound.padding_fraction, rel=1e-4
   )
