@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from graphpipe.core.stages import Plan
+
 
 def overlaps(
   devices: Sequence[Sequence[int]],
@@ -95,3 +97,16 @@ def color_pairs(pairs: Sequence[tuple]) -> list[list[tuple]]:
     else:
       groups.append([pair])
   return groups
+
+
+def plan_channels(plan: Plan) -> list[list[tuple]]:
+  """The channels of `plan`'s step: its transfers' items, coloured."""
+  return color_pairs(
+    channel_items(
+      overlaps(
+        [s.devices for s in plan.stages],
+        [s.micro_batch_size for s in plan.stages],
+        plan.stage_edges,
+      )
+    )
+  )

@@ -24,7 +24,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from graphpipe.core.channels import channel_items, color_pairs, overlaps
+from graphpipe.core.channels import plan_channels
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.errors import PlanError
@@ -317,20 +317,7 @@ def plan_holdings(
     ]
   )
   # The runtime's ppermute channels, exactly (`graphpipe.core.channels`).
-  channels = max(
-    1,
-    len(
-      color_pairs(
-        channel_items(
-          overlaps(
-            [s.devices for s in plan.stages],
-            [s.micro_batch_size for s in plan.stages],
-            plan.stage_edges,
-          )
-        )
-      )
-    ),
-  )
+  channels = max(1, len(plan_channels(plan)))
   largest = lambda key: max(1, max(s[key] for s in per_stage))
   params = largest("params")
   stage_of = [-1] * plan.num_devices

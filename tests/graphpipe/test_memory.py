@@ -15,7 +15,7 @@ import pytest
 
 import graphpipe
 from graphpipe import PlanError, Trainer
-from graphpipe.core.channels import channel_items, color_pairs, overlaps
+from graphpipe.core.channels import plan_channels
 from graphpipe.core.memory import (
   KINDS,
   MODEL_KINDS,
@@ -62,12 +62,7 @@ def test_prediction_bounds_the_compiled_step(
     assert sum(mine.values()) <= sum(theirs.values())
   # The planner charges the runtime's own channel count; the blocks differ
   # only by the planner's bound on the largest transfer.
-  transfers = overlaps(
-    [s.devices for s in plan.stages],
-    [s.micro_batch_size for s in plan.stages],
-    plan.stage_edges,
-  )
-  channels = len(color_pairs(channel_items(transfers)))
+  channels = len(plan_channels(plan))
   assert max(1, channels) == trainer.buffers.channels
   per_channel = plan_holdings(graph, plan).channel_elements / max(1, channels)
   assert per_channel >= trainer.buffers.channel
