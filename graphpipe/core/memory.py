@@ -10,7 +10,8 @@ Two levels, one rule:
   so each device holds parameter slots as large as the largest stage's
   parameters (`graphpipe.core.slots`), optimizer state over those slots,
   stashes sized to the largest stage input, output and residual times the
-  most slots any device needs, channel buffers, the whole mini-batch, and
+  most slots any device needs, channel buffers, its own rows of the batch
+  leaves its stage reads (`graphpipe.core.feed`), and
   the working memory of its largest action. The planner fills a `Holdings`
   from the graph's figures (`plan_holdings`, an upper bound) and rejects
   plans over budget; the runtime fills one from the layout it builds
@@ -25,6 +26,7 @@ import math
 from collections.abc import Sequence
 
 from graphpipe.core.channels import plan_channels
+from graphpipe.core.feed import feed_words, plan_feeds
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.errors import PlanError
@@ -52,22 +54,6 @@ KINDS = (
 # squeezes (a tiny model's stashes and bookkeeping say little about a
 # real model of its shape, whose weights force it onto more devices).
 MODEL_KINDS = ("parameters", "gradients", "optimizer", "state")
-
-_ITEMSIZE = {
-  "float64": 8,
-  "int64": 8,
-  "uint64": 8,
-  "float32": 4,
-  "int32": 4,
-  "uint32": 4,
-  "float16": 2,
-  "bfloat16": 2,
-  "int16": 2,
-  "uint16": 2,
-  "int8": 1,
-  "uint8": 1,
-  "bool": 1,
-}
 
 
 def stage_memory_bytes(
@@ -107,7 +93,8 @@ class Holdings:
     optimizer_bytes: the optimizer's state over the parameter slots.
     stash_elements: activation, gradient and residual stashes together.
     channel_elements: one [channels, largest transfer] block.
-    batch_bytes: the whole mini-batch (every device gets all of it).
+    batch_bytes: the batch vector: the longest device's feed
+      (`graphpipe.core.feed`: its own rows of its stage's leaves).
     work_bytes: transient memory of the largest forward or backward.
     table_bytes: the step's tick tables (constants on every device).
     replicas: devices of the largest data-parallel stage.
@@ -334,7 +321,8 @@ def plan_holdings(
     + 2 * transfer
     + (largest("res") * most if not recompute else 1),
     channel_elements=channels * transfer,
-    batch_bytes=batch_bytes(graph, plan.batch_size),
+    # Each device is fed its own rows of its stage's leaves, exactly.
+    batch_bytes=4 * feed_words(plan_feeds(graph, plan)),
     work_bytes=max(s["work"] for s in per_stage),
     table_bytes=table_bytes(plan, channels),
     replicas=max(len(s.devices) for s in plan.stages),
@@ -348,13 +336,6 @@ def table_bytes(plan: Plan, channels: int, ticks: int | None = None) -> int:
   if ticks is None:
     ticks = 2 * max(plan.stage_microbatches) * plan.num_stages
   return 4 * ticks * plan.num_devices * (7 + 5 * channels)
-
-
-def batch_bytes(graph: OpGraph, batch_size: int) -> int:
-  """Bytes of the whole mini-batch of `graph`'s inputs."""
-  return batch_size * sum(
-    math.prod(i.shape) * _ITEMSIZE.get(i.dtype, 8) for i in graph.inputs
-  )
 
 
 def work_bytes(graph: OpGraph, nodes: Sequence[int], chunk: float) -> int:
@@ -383,9 +364,10 @@ def memory_floor(
 
   Every plan puts the node with the most parameters in some stage, and
   every device holds slots the size of the largest stage's parameters (and
-  the same for the non-trainable state) and the whole batch; the bound is
-  `device_bytes` of those slots alone (no stashes, channels, tables or
-  transient work, no data-parallel copies), so it is never above
+  the same for the non-trainable state); the bound is
+  `device_bytes` of those slots alone (no stashes, channels, tables, batch
+  rows (more devices feed each fewer) or transient work, no data-parallel
+  copies), so it is never above
   `plan_memory(graph, p).largest` for any plan p. Each kind is bounded
   alone, so the sum over `kinds` bounds `largest_of(kinds)` too.
   """
@@ -397,7 +379,7 @@ def memory_floor(
     optimizer_bytes=4 * optimizer_slots * params + _OPTIMIZER_SCALARS,
     stash_elements=0,
     channel_elements=0,
-    batch_bytes=batch_bytes(graph, batch_size),
+    batch_bytes=0,
     work_bytes=0,
     table_bytes=0,
     replicas=1,

@@ -99,8 +99,7 @@ def no_plan_error(
   counted = "" if set(kinds) == set(KINDS) else f" of {', '.join(kinds)}"
   if floor > memory:
     slots = (
-      "parameter, gradient, optimizer and working-gradient slots of its "
-      "size and the batch"
+      "parameter, gradient, optimizer and working-gradient slots of its size"
       if not counted
       else f"slots of its size{counted}"
     )

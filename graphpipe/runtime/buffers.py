@@ -20,7 +20,7 @@ class Operands(NamedTuple):
 
   params: tuple  # this device's parameter slots
   state: tuple  # its non-trainable variable slots
-  batch: dict  # the whole batch, replicated
+  batch: jax.Array  # this device's batch words (`graphpipe.runtime.feed`)
   act: jax.Array  # activation stash (all slots, flat)
   grad: jax.Array  # gradient stash
   res: jax.Array  # residual stash
@@ -36,7 +36,8 @@ class Operands(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Buffers:
-  """Sizes (float32 elements) of the per-device buffers; all devices alike.
+  """Sizes (float32 elements; the feed in 32-bit words) of the per-device
+  buffers; all devices alike.
 
   `params` and `state` are the slot layouts of the trainable and the
   non-trainable variables (`graphpipe.runtime.slots`).
@@ -52,6 +53,7 @@ class Buffers:
   res_slots: int
   channel: int
   channels: int
+  feed: int  # words of the per-device batch vector
 
   def stash_bytes(self) -> int:
     return 4 * (

@@ -29,7 +29,6 @@ from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import (
   Holdings,
   MemoryReport,
-  batch_bytes,
   work_bytes,
 )
 from graphpipe.core.stages import Plan
@@ -112,9 +111,7 @@ def runtime_report(
     + buf.res_slot * buf.res_slots
     + 2 * buf.channel,
     channel_elements=buf.channel * buf.channels,
-    batch_bytes=batch_bytes(
-      graph, layout.micro_batch_size * layout.num_microbatches
-    ),
+    batch_bytes=4 * buf.feed,
     work_bytes=max(work_bytes(graph, s.nodes, s.chunk) for s in layout.stages),
     table_bytes=table_bytes,
     replicas=max(len(s.devices) for s in layout.stages),

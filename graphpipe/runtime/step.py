@@ -48,9 +48,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from graphpipe.core.feed import device_feeds, feed_words
+from graphpipe.core.graph import InputSpec
 from graphpipe.errors import PipelineRuntimeError
 from graphpipe.frontend.program import Program
-from graphpipe.runtime import packing, slots
+from graphpipe.runtime import feed, packing, slots
 from graphpipe.runtime.buffers import Buffers, Operands
 from graphpipe.runtime.layout import Layout
 from graphpipe.runtime.stage_code import StageCode
@@ -106,10 +108,28 @@ class StepBuilder(StageCode):
     self.batch_size = batch_size
     super().__init__(layout, program)
     self.device_stage = layout.stage_of_device()
+    self.feeds = device_feeds(
+      self._input_specs(),
+      [
+        ([k[len("batch:") :] for k in s.batch], s.devices, s.size)
+        for s in layout.stages
+      ],
+      layout.num_devices,
+      layout.batch_size,
+    )
     self._channels = make_channels(layout)
     self.channels = self._channels.groups
     self.channel_of = self._channels.channel_of
     self._make_tables()
+
+  def _input_specs(self) -> list[InputSpec]:
+    """The batch leaves the stages read, per sample (batch axis first)."""
+    specs = {}
+    for s in self.layout.stages:
+      for k, a in self._abstract_inputs(s.id)[2].items():
+        name = k[len("batch:") :]
+        specs[name] = InputSpec(name, tuple(a.shape[1:]), str(a.dtype))
+    return list(specs.values())
 
   def _make_tables(self):
     lay = self.layout
@@ -136,6 +156,7 @@ class StepBuilder(StageCode):
       res_slots=max(1, ticks.res_slots),
       channel=self._channels.size,
       channels=max(1, len(self.channels)),
+      feed=feed_words(self.feeds),
     )
 
   def _variables(self, kind):
@@ -163,13 +184,7 @@ class StepBuilder(StageCode):
     )
 
   def _batch_rows(self, stage, device, batch, mb):
-    s = self.layout.stages[stage]
-    replica = s.devices.index(device)
-    start = mb * s.size + replica * s.chunk
-    return {
-      k: lax.dynamic_slice_in_dim(batch[k[len("batch:") :]], start, s.chunk)
-      for k in s.batch
-    }
+    return feed.read(self.feeds[device], batch, mb)
 
   def _sends(self, device, vector=None, offsets=None, *, forward=True):
     """[channels, channel size]: what `device` sends after an action.

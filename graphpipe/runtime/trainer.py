@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.errors import PipelineRuntimeError
-from graphpipe.runtime import checkpoints, faults, guards, slots
+from graphpipe.runtime import checkpoints, faults, feed, guards, slots
 from graphpipe.runtime.layout import build_layout
 from graphpipe.runtime.memory import runtime_report
 from graphpipe.runtime.step import AXIS, StepBuilder
@@ -180,7 +180,7 @@ class Trainer:
     return jax.shard_map(
       fn,
       mesh=self.mesh,
-      in_specs=(state_spec, P()),
+      in_specs=(state_spec, P(AXIS)),
       out_specs=(state_spec, P(), P(AXIS)),
       check_vma=False,
     )
@@ -188,7 +188,7 @@ class Trainer:
   def _train_step(self, ts: TrainState, batch):
     params = _local(ts.params)
     grads, loss = self.builder.gradients_and_loss(
-      params, _local(ts.state), batch
+      params, _local(ts.state), batch[0]
     )
     updates, opt_state = self.optimizer.update(
       grads, _local(ts.opt_state), params
@@ -250,7 +250,7 @@ class Trainer:
         f"step takes the TrainState of init/restore/step, got "
         f"{type(state).__name__}"
       )
-    batch = self._device_batch(batch)
+    batch = self.put_batch(batch).words
     die_at = faults.armed("step")
     if die_at is not None and die_at == int(_first_shard(state.step)):
       self._step(state, batch)
@@ -272,7 +272,7 @@ class Trainer:
     """The pipelined loss and gradients by 'param:' key (no update)."""
     # The step consumes its state; it gets a copy, so `state` stays usable.
     state = jax.tree.map(jnp.copy, state)
-    _, metrics, grads = self._step(state, self._device_batch(batch))
+    _, metrics, grads = self._step(state, self.put_batch(batch).words)
     return float(_first_shard(metrics["loss"])), self._gather(grads)
 
   def params(self, state: TrainState) -> dict:
@@ -342,7 +342,7 @@ class Trainer:
 
   def compiled(self, state: TrainState, batch):
     """The compiled train step (for memory and cost analysis)."""
-    batch = self._device_batch(batch)
+    batch = self.put_batch(batch).words
     return self._step.lower(state, batch).compile()
 
   def memory_report(self, state: TrainState | None = None, batch=None) -> dict:
@@ -412,33 +412,21 @@ class Trainer:
       for x in host
     )
 
-  def _device_batch(self, batch):
-    specs = {i.name: i for i in self.graph.inputs}
-    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-    names = [".".join(_key(k) for k in path) for path, _ in leaves]
-    if sorted(names) != sorted(specs):
-      raise PipelineRuntimeError(
-        f"the batch has leaves {sorted(names)}, the graph expects "
-        f"{sorted(specs)}"
-      )
-    out = {}
-    for name, (_, x) in zip(names, leaves, strict=True):
-      spec = specs[name]
-      x = np.asarray(x) if not isinstance(x, jax.Array) else x
-      want = (self.plan.batch_size,) + tuple(spec.shape)
-      if tuple(x.shape) != want or str(x.dtype) != spec.dtype:
-        raise PipelineRuntimeError(
-          f"batch leaf {name!r} is {x.dtype}{list(x.shape)}; the plan "
-          f"needs {spec.dtype}{list(want)}"
-        )
-      if isinstance(x, jax.Array) and x.sharding == self._replicated:
-        out[name] = x
-      else:
-        host = np.asarray(x)
-        out[name] = jax.make_array_from_callback(
-          host.shape, self._replicated, lambda i, h=host: h[i]
-        )
-    return out
+  def put_batch(self, batch) -> feed.FedBatch:
+    """`batch` as the step takes it: each device's own rows of the leaves
+    its stage reads (`graphpipe.core.feed`), placed on its device.
+
+    `step` and `loss_and_grads` do this to a batch they are given; a batch
+    put once can be given to them again without moving any data.
+    """
+    return feed.put(
+      batch,
+      self.graph.inputs,
+      self.plan.batch_size,
+      self.builder.feeds,
+      self.buffers.feed,
+      self._rows,
+    )
 
   def _gather(self, rows: tuple) -> dict:
     """Each stage's slots (from its first device) -> values by key."""
@@ -473,13 +461,6 @@ def _local(tree):
 def _rows(tree):
   """Inverse of `_local`."""
   return jax.tree.map(lambda x: x[None], tree)
-
-
-def _key(k) -> str:
-  for attr in ("key", "idx", "name"):
-    if hasattr(k, attr):
-      return str(getattr(k, attr))
-  return str(k)
 
 
 def _first_shard(x):

@@ -59,6 +59,8 @@ def test_prediction_bounds_the_compiled_step(
     assert set(mine) == set(KINDS)
     assert mine["parameters"] == theirs["parameters"]
     assert mine["channels"] <= theirs["channels"]
+    # Each device's own rows of its stage's leaves, the same blocks.
+    assert mine["batch"] == theirs["batch"]
     assert sum(mine.values()) <= sum(theirs.values())
   # The planner charges the runtime's own channel count; the blocks differ
   # only by the planner's bound on the largest transfer.

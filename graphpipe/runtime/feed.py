@@ -1,0 +1,157 @@
+"""The step's batch: packed per device on the host, read back in the step.
+
+  words = pack(feed, batch, num_words)   # host: numpy uint32 [num_words]
+  rows = read(feed, vector, microbatch)  # in the step: {'batch:x': chunk}
+
+The layout of a device's words is `graphpipe.core.feed`'s: per leaf its
+stage reads, one piece per micro-batch, each piece the device's rows of
+that micro-batch as little-endian bytes padded to a word. Leaves of any
+dtype share one vector: 4-byte dtypes are bit-cast from the words, other
+sizes through bytes (booleans are bytes compared with zero).
+
+Example:
+  >>> from graphpipe.core.feed import device_feeds
+  >>> from graphpipe.core.graph import InputSpec
+  >>> feeds = device_feeds([InputSpec("x", (2,), "float32")],
+  ...                      [(("x",), (0, 1), 2)], num_devices=2, batch_size=4)
+  >>> batch = {"x": np.arange(8, dtype=np.float32).reshape(4, 2)}
+  >>> words = pack(feeds[1], batch, 4)         # replica 1: rows 1 and 3
+  >>> read(feeds[1], jnp.asarray(words), 1)["batch:x"]
+  Array([[6., 7.]], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from graphpipe.core.feed import DeviceFeed, itemsize
+from graphpipe.core.graph import InputSpec
+from graphpipe.errors import PipelineRuntimeError
+
+
+class FedBatch(NamedTuple):
+  """A batch as the step takes it (`Trainer.put_batch`): per device, a row
+  of 32-bit words holding its own rows of its stage's leaves."""
+
+  words: jax.Array
+  feeds: tuple  # the `DeviceFeed`s it was packed for
+
+
+def put(
+  batch,
+  inputs: Sequence[InputSpec],
+  batch_size: int,
+  feeds: Sequence[DeviceFeed],
+  num_words: int,
+  sharding,
+) -> FedBatch:
+  """Checks `batch` against the graph's leaves and packs every device's
+  row of a [devices, num_words] array with `sharding` (one row a device);
+  each process packs only its own devices' rows."""
+  if isinstance(batch, FedBatch):
+    if batch.feeds != tuple(feeds) or batch.words.shape[1] != num_words:
+      raise PipelineRuntimeError(
+        "this batch was put for another step's devices and stages: put "
+        "it with this trainer's put_batch"
+      )
+    return batch
+  specs = {i.name: i for i in inputs}
+  leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+  names = [".".join(_key(k) for k in path) for path, _ in leaves]
+  if sorted(names) != sorted(specs):
+    raise PipelineRuntimeError(
+      f"the batch has leaves {sorted(names)}, the graph expects {sorted(specs)}"
+    )
+  host = {}
+  for name, (_, x) in zip(names, leaves, strict=True):
+    spec = specs[name]
+    want = (batch_size,) + tuple(spec.shape)
+    if tuple(x.shape) != want or str(x.dtype) != spec.dtype:
+      raise PipelineRuntimeError(
+        f"batch leaf {name!r} is {x.dtype}{list(x.shape)}; the plan "
+        f"needs {spec.dtype}{list(want)}"
+      )
+    host[name] = _host(x, name)
+
+  def rows(index):
+    devices = range(len(feeds))[index[0]]
+    return np.stack([pack(feeds[d], host, num_words) for d in devices])
+
+  return FedBatch(
+    jax.make_array_from_callback((len(feeds), num_words), sharding, rows),
+    tuple(feeds),
+  )
+
+
+def _host(x, name: str) -> np.ndarray:
+  """A batch leaf on the host (a device array is copied from a device)."""
+  if not isinstance(x, jax.Array) or x.is_fully_addressable:
+    return np.asarray(x)
+  if x.is_fully_replicated:
+    return np.asarray(x.addressable_data(0))
+  raise PipelineRuntimeError(
+    f"batch leaf {name!r} is a jax.Array sharded across processes; give "
+    "every process the whole batch (numpy, or a replicated array)"
+  )
+
+
+def _key(k) -> str:
+  for attr in ("key", "idx", "name"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def pack(feed: DeviceFeed, batch: dict, num_words: int) -> np.ndarray:
+  """A device's words from the host batch (leaves by name, numpy)."""
+  out = np.zeros(num_words, np.uint32)
+  view = out.view(np.uint8)
+  pieces = feed.microbatches
+  for block in feed.blocks:
+    leaf = np.ascontiguousarray(batch[block.name])
+    whole = leaf.view(np.uint8).reshape(-1)
+    if feed.chunk == feed.size and whole.size == 4 * block.words * pieces:
+      # One replica, no padding: the pieces are the leaf as it is.
+      view[4 * block.offset : 4 * block.offset + whole.size] = whole
+      continue
+    for j in range(pieces):
+      start, stop = feed.rows(j)
+      data = leaf[start:stop].view(np.uint8).reshape(-1)
+      at = 4 * (block.offset + j * block.words)
+      view[at : at + data.size] = data
+  return out
+
+
+def read(feed: DeviceFeed, vector, microbatch) -> dict:
+  """{'batch:name': [chunk, *shape]} of piece `microbatch` (traced)."""
+  out = {}
+  for block in feed.blocks:
+    words = lax.dynamic_slice_in_dim(
+      vector, block.offset + microbatch * block.words, block.words
+    )
+    out["batch:" + block.name] = _decode(words, block, feed.chunk)
+  return out
+
+
+def _decode(words, block, chunk: int):
+  shape = (chunk, *block.shape)
+  count = int(np.prod(shape))
+  size = itemsize(block.dtype)
+  dtype = jnp.dtype(block.dtype)
+  if size == 4:
+    return lax.bitcast_convert_type(words[:count], dtype).reshape(shape)
+  raw = lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)
+  raw = raw[: count * size]
+  if dtype == jnp.bool_:
+    return (raw != 0).reshape(shape)
+  if size == 1:
+    return lax.bitcast_convert_type(raw, dtype).reshape(shape)
+  return lax.bitcast_convert_type(raw.reshape(count, size), dtype).reshape(
+    shape
+  )

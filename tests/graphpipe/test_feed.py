@@ -1,0 +1,104 @@
+"""The per-device batch feed: each device gets its own rows of its leaves.
+
+Packing on the host and reading back in the step must give every stage
+exactly the rows the unpipelined batch has (any dtype, replicas, stages of
+different micro-batch sizes); devices hold far less than the batch; a
+batch put once can be stepped on again.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import graphpipe
+from graphpipe import PipelineRuntimeError, Trainer
+from graphpipe.core.feed import device_feeds, feed_words, plan_feeds
+from graphpipe.core.graph import InputSpec
+from graphpipe.runtime import feed
+from tests.graphpipe import runtime_cases as rc
+
+DTYPES = ["float32", "int32", "bool", "int8", "uint8", "float16", "bfloat16"]
+
+
+def _leaf(rng, spec, batch_size):
+  shape = (batch_size, *spec.shape)
+  if spec.dtype == "bool":
+    return rng.random(shape) < 0.5
+  if spec.dtype in ("int8", "uint8", "int32"):
+    return rng.integers(0, 100, shape).astype(spec.dtype)
+  return rng.standard_normal(shape).astype(jnp.dtype(spec.dtype))
+
+
+def test_every_device_reads_back_its_own_rows_of_every_leaf():
+  rng = np.random.default_rng(0)
+  # Odd per-sample sizes, so that pieces of 1- and 2-byte leaves pad.
+  inputs = [
+    InputSpec(f"x{i}", shape, dtype)
+    for i, (shape, dtype) in enumerate(
+      zip([(3,), (), (5, 1), (7,), (), (3, 3), (1,)], DTYPES, strict=True)
+    )
+  ]
+  batch_size = 24
+  stages = [
+    (["x0", "x2", "x3"], (0, 1, 2), 6),  # 3 replicas, 2 rows each
+    (["x1", "x4"], (3,), 2),
+    (["x5", "x6", "x1"], (4, 5), 12),  # larger micro-batches
+    ([], (6,), 4),  # reads nothing
+  ]
+  feeds = device_feeds(inputs, stages, num_devices=8, batch_size=batch_size)
+  words = feed_words(feeds)
+  batch = {s.name: _leaf(rng, s, batch_size) for s in inputs}
+  for names, devices, size in stages:
+    for replica, device in enumerate(devices):
+      f = feeds[device]
+      packed = jnp.asarray(feed.pack(f, batch, words))
+      chunk = size // len(devices)
+      for j in range(batch_size // size):
+        got = feed.read(f, packed, jnp.int32(j))
+        assert sorted(got) == sorted(f"batch:{n}" for n in set(names))
+        start = j * size + replica * chunk
+        for n in names:
+          want = batch[n][start : start + chunk]
+          assert got[f"batch:{n}"].dtype == want.dtype
+          np.testing.assert_array_equal(np.asarray(got[f"batch:{n}"]), want)
+  assert feeds[7].blocks == () and feeds[6].words == 0
+  # A device holds its share of what its stage reads, never the batch.
+  whole = sum(b.nbytes for b in batch.values())
+  assert 4 * words < whole / 2
+
+
+def test_devices_are_fed_a_fraction_of_the_batch():
+  graph = rc.tiny_graph("dlrm")  # many leaves, each read by one branch
+  plan = rc.pipeline_plan("dlrm", 8, "graphpipe")
+  whole = (
+    sum(np.prod(i.shape) * jnp.dtype(i.dtype).itemsize for i in graph.inputs)
+    * plan.batch_size
+  )
+  words = feed_words(plan_feeds(graph, plan))
+  assert 0 < 4 * words < whole / 2
+  report = graphpipe.memory_report(plan, graph, optax.sgd(0.1))
+  assert max(d["batch"] for d in report.per_device) == 4 * words
+
+
+def test_a_batch_put_once_steps_like_the_batch_itself():
+  name = "two_branch"
+  plan = rc.pipeline_plan(name, 8, "graphpipe")
+  graph = rc.tiny_graph(name)
+  model, batch = rc.model_and_batch(name)
+  trainer = Trainer(plan, optax.sgd(0.1), graph=graph)
+  state = trainer.init(model)
+  put = trainer.put_batch(batch)
+  assert trainer.put_batch(put) is put
+  loss, grads = trainer.loss_and_grads(state, batch)
+  loss_put, grads_put = trainer.loss_and_grads(state, put)
+  assert loss == loss_put
+  for k in grads:
+    np.testing.assert_array_equal(grads[k], grads_put[k])
+  want, _ = rc.reference_loss_and_grads(name, model, batch)
+  assert loss == pytest.approx(float(want), rel=1e-5)
+  other = Trainer(
+    rc.pipeline_plan(name, 2, "sequential"), optax.sgd(0.1), graph=graph
+  )
+  with pytest.raises(PipelineRuntimeError, match="put it with this trainer"):
+    other.put_batch(put)
