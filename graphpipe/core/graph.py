@@ -21,7 +21,7 @@ from typing import Any
 
 from graphpipe.errors import GraphError, GraphFormatError, NodeNotFoundError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,11 @@ class Node:
       per sample.
     saved_bytes: bytes the backward pass keeps from the forward (residuals,
       including the node's own inputs when the backward needs them), per
-      sample.
+      sample: every intermediate the VJP reads.
+    kept_bytes: the part of those the runtime stashes, per sample: the
+      outputs of its matrix products and the inputs its backward reads (it
+      recomputes the elementwise work between them; the policy
+      `graphpipe.frontend.node_costs.save_products`). None: saved_bytes.
     fixed: the batch-independent part of the figures above, by field name
       (per step; usually ~0).
     batch_inputs: names of the batch leaves the node reads.
@@ -63,6 +67,11 @@ class Node:
   saved_bytes: float = 0.0
   fixed: dict[str, float] = dataclasses.field(default_factory=dict)
   batch_inputs: tuple[str, ...] = ()
+  kept_bytes: float | None = None
+
+  def __post_init__(self):
+    if self.kept_bytes is None:
+      object.__setattr__(self, "kept_bytes", self.saved_bytes)
 
   def cost(self, field: str, batch: int) -> float:
     """`field` (e.g. 'fwd_flops') at a micro-batch of `batch` samples."""
@@ -405,6 +414,7 @@ _NODE_FIGURES = (
   "bwd_bytes",
   "activation_bytes",
   "saved_bytes",
+  "kept_bytes",
 )
 _EDGE_FIGURES = ("bytes", "fixed_bytes", "num_values")
 

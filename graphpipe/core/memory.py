@@ -68,15 +68,15 @@ def stage_memory_bytes(
   Its parameters (slots at least that large on every device), their
   gradients (accumulator and result), optimizer slots and the work term
   (parameter gradients and their slots: 2 x parameters, plus the largest
-  action's transient), its non-trainable state, and the saved activations
-  of `in_flight` micro-batches of `micro_batch_per_device` samples. A lower
-  bound of `plan_memory` for any plan with this stage, so the DPs prune
-  with it.
+  action's transient), its non-trainable state, and the residuals the
+  runtime stashes (`Node.kept_bytes`) of `in_flight` micro-batches of
+  `micro_batch_per_device` samples. A lower bound of `plan_memory` for any
+  plan with this stage, so the DPs prune with it.
   """
   params = sum(graph.nodes[i].param_bytes for i in nodes)
   state = sum(graph.nodes[i].state_bytes for i in nodes)
   saved = sum(
-    graph.nodes[i].cost("saved_bytes", micro_batch_per_device) for i in nodes
+    graph.nodes[i].cost("kept_bytes", micro_batch_per_device) for i in nodes
   )
   work = work_bytes(graph, nodes, micro_batch_per_device)
   return params * (5 + optimizer_slots) + work + state + saved * in_flight
@@ -249,9 +249,10 @@ def plan_holdings(
   (`graphpipe.runtime.memory.memory_report`): the parameter and state slots
   are the same (the largest stage's elements); each stash's slot count is
   the most micro-batches any stage keeps in flight (the runtime colours
-  the schedule's lifetimes into no more), residuals are the nodes' full VJP
-  residuals (the runtime keeps only matrix products' outputs and the
-  stage inputs), and values crossing stages count once per operator edge.
+  the schedule's lifetimes into no more), residuals are the sum of the
+  nodes' `kept_bytes` (each node's inputs and matrix products' outputs:
+  the runtime keeps the products and the stage's inputs only), and values
+  crossing stages count once per operator edge.
   Parameters and transferred values are counted as float32, as the runtime
   stores them. `in_flight`: per stage, micro-batches stashed at once
   (default the plan's counts; the simulator passes what it observed).
@@ -277,7 +278,7 @@ def plan_holdings(
     chunk = s.micro_batch_size / len(s.devices)
     residual = 0.0
     if not recompute:
-      residual = sum(nodes[n].cost("saved_bytes", chunk) for n in s.nodes) / 4
+      residual = sum(nodes[n].cost("kept_bytes", chunk) for n in s.nodes) / 4
     per_stage.append(
       {
         "chunk": chunk,

@@ -5,7 +5,10 @@ allocated) and XLA's cost analysis of the optimised program gives FLOPs and
 bytes accessed (after fusion). Identical layers share one measurement. The
 backward pass is measured as the node's VJP minus its forward. Bytes the
 backward keeps are the residuals of `jax.vjp` (its pytree leaves), which
-include the node's own inputs when the backward reads them.
+include the node's own inputs when the backward reads them; the part the
+runtime stashes (`kept_bytes`) are the residuals of the same VJP under
+the runtime's checkpoint policy (`save_products`: matrix products'
+outputs, and the inputs the backward recomputes from).
 
 Figures are measured at two batch sizes and split into a per-sample slope
 and a batch-independent remainder, so no axis has to be guessed as the
@@ -27,7 +30,17 @@ FIELDS = (
   "bwd_bytes",
   "activation_bytes",
   "saved_bytes",
+  "kept_bytes",
 )
+# Residual figures: their batch-independent part is weights (or derived
+# from them), held once by the stage, not once per stashed micro-batch.
+RESIDUALS = ("saved_bytes", "kept_bytes")
+
+
+def save_products(primitive, *_, **__) -> bool:
+  """The runtime's checkpoint policy: keep matrix products' outputs (the
+  elementwise work between them is recomputed in the backward)."""
+  return primitive in (jax.lax.dot_general_p, jax.lax.conv_general_dilated_p)
 
 
 def aval_bytes(aval) -> int:
@@ -65,6 +78,7 @@ def node_figures(node: NodeProgram) -> dict[str, float]:
     "bwd_flops": 0.0,
     "bwd_bytes": 0.0,
     "saved_bytes": 0.0,
+    "kept_bytes": 0.0,
     "activation_bytes": float(sum(aval_bytes(a) for a in out_avals)),
   }
   if not any(wrt) or not any(float_out):
@@ -101,6 +115,17 @@ def node_figures(node: NodeProgram) -> dict[str, float]:
   figures["saved_bytes"] = float(
     sum(aval_bytes(x) for x in jax.tree.leaves(saved))
   )
+  kept = jax.eval_shape(
+    lambda fixed_in, diff_in: jax.vjp(
+      jax.checkpoint(differentiable_part(fixed_in), policy=save_products),
+      *diff_in,
+    )[1],
+    fixed,
+    diff,
+  )
+  figures["kept_bytes"] = float(
+    sum(aval_bytes(x) for x in jax.tree.leaves(kept))
+  )
   return figures
 
 
@@ -122,12 +147,10 @@ def per_sample(
   for a_node, b_node in zip(small.nodes, large.nodes, strict=True):
     a, b = figures(a_node), figures(b_node)
     slope = {f: max((b[f] - a[f]) / db, 0.0) for f in FIELDS}
-    # Batch-independent residuals are weights (or derived from them): the
-    # stage holds them once, not once per stashed micro-batch.
     fixed = {
       f: a[f] - slope[f] * small.batch_size
       for f in FIELDS
-      if f != "saved_bytes"
+      if f not in RESIDUALS
     }
     fixed = {f: v for f, v in fixed.items() if abs(v) > 1e-9 * (1 + a[f])}
     out.append((slope, fixed))

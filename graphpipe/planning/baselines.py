@@ -183,7 +183,7 @@ class _RangeCosts:
       fwd, bwd = costs.node_times(share)
       compute = _range_sums([fwd[v] + bwd[v] for v in order])
       saved = _range_sums(
-        [graph.nodes[v].cost("saved_bytes", share) for v in order]
+        [graph.nodes[v].cost("kept_bytes", share) for v in order]
       )
       comm = np.zeros((n, n))
       for f, z in zip(first, last, strict=True):

@@ -52,7 +52,7 @@ class StageCosts:
     >>> costs.time_per_sample((0, 1), micro_batch=4, num_devices=2)  # s
     0.00233...
     >>> costs.in_flight_capacity((0, 1), micro_batch=4, num_devices=2)
-    81
+    257
 
   Args:
     graph: the operator graph.

@@ -15,14 +15,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from graphpipe.frontend.node_costs import save_products
 from graphpipe.frontend.program import Program
 from graphpipe.runtime import packing
 from graphpipe.runtime.layout import Layout
-
-
-def _save_products(primitive, *_, **__) -> bool:
-  """Checkpoint policy: keep matrix products' outputs (see `_vjp_parts`)."""
-  return primitive in (lax.dot_general_p, lax.conv_general_dilated_p)
 
 
 class StageCode:
@@ -130,7 +126,7 @@ class StageCode:
     # through the stash cost more than recomputing them: plain XLA keeps
     # about this much, by fusing that elementwise work into the backward.
     diff = jax.checkpoint(
-      lambda p, a: f({**p, **frozen}, a, batch), policy=_save_products
+      lambda p, a: f({**p, **frozen}, a, batch), policy=save_products
     )
     outs, vjp = jax.vjp(diff, trainable, acts)
     leaves, treedef = jax.tree.flatten(vjp)

@@ -64,7 +64,7 @@ class Report:
     >>> report = simulate(plan, graph, AnalyticCostModel(device_spec("v100")))
     >>> print(report)
     graphpipe (1f1b): iteration 29.44 ms, 271.8 samples/s, bubble 35.2%,
-    peak memory 0.68 GiB of 15.8 GiB, stash per stage [4, 3, 2, 5, 4, 3, 2, 1]
+    peak memory 0.543 GiB of 15.8 GiB, stash per stage [4, 3, 2, 5, 4, 3, 2, 1]
     >>> report.save_trace("trace.json")   # open it in https://ui.perfetto.dev
     >>> report.save_gantt("schedule.png")
 

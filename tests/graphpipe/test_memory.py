@@ -59,6 +59,8 @@ def test_prediction_bounds_the_compiled_step(
     assert set(mine) == set(KINDS)
     assert mine["parameters"] == theirs["parameters"]
     assert mine["channels"] <= theirs["channels"]
+    # Residuals: the nodes' kept bytes bound what the runtime stashes.
+    assert mine["stashes"] <= theirs["stashes"]
     # Each device's own rows of its stage's leaves, the same blocks.
     assert mine["batch"] == theirs["batch"]
     assert sum(mine.values()) <= sum(theirs.values())
@@ -157,6 +159,8 @@ def test_memory_report_of_an_abstract_paper_model():
   report = graphpipe.memory_report(plan, graph, optax.adam(1e-3))
   bound = plan_memory(graph, plan)
   assert report.largest <= bound.largest <= 16160 * MIB
+  for mine, theirs in zip(report.per_device, bound.per_device, strict=True):
+    assert mine["stashes"] <= theirs["stashes"] <= 2 * mine["stashes"]
   assert 0 <= report.padding_fraction < 0.5
   planned = dataclasses.replace(plan, graph=None)
   with pytest.raises(graphpipe.GraphpipeError, match="captured graph"):
