@@ -89,13 +89,17 @@ def color_pairs(pairs: Sequence[tuple]) -> list[list[tuple]]:
   Greedy by first fit, enough for pipeline fan-in/fan-out.
   """
   groups: list[list[tuple]] = []
+  used: list[tuple[set, set]] = []  # per group, its senders and receivers
   for pair in sorted(set(pairs)):
-    for group in groups:
-      if all(pair[0] != a[0] and pair[1] != a[1] for a in group):
+    for group, (senders, receivers) in zip(groups, used, strict=True):
+      if pair[0] not in senders and pair[1] not in receivers:
         group.append(pair)
+        senders.add(pair[0])
+        receivers.add(pair[1])
         break
     else:
       groups.append([pair])
+      used.append(({pair[0]}, {pair[1]}))
   return groups
 
 
