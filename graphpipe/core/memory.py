@@ -119,15 +119,16 @@ def device_bytes(h: Holdings) -> dict[str, int]:
   """Bytes one device holds, by kind (`KINDS`).
 
   Gradients: the accumulator and the reduced result, both the size of the
-  parameter slots; summing a data-parallel group of k devices in a fixed
-  order also holds the k - 1 copies received and a running sum.
+  parameter slots; summing a data-parallel group (a ring all-reduce,
+  `graphpipe.runtime.reduce`) also holds the slots cut into chunks and the
+  ring's partial sums, whatever the group's size.
   Channels: what arrived, and what the forward and the backward send.
   Work: the largest action's transient memory, the gradients of its
   parameters and the slots they are scattered into (an embedding's
   gradient is a dense table-sized array). Tables: the step's tick tables.
   """
   p = 4 * h.param_elements
-  reduce_copies = h.replicas if h.replicas > 1 else 0
+  reduce_copies = 2 if h.replicas > 1 else 0
   return {
     "parameters": p,
     "gradients": p * (2 + reduce_copies),

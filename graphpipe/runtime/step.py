@@ -45,14 +45,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from graphpipe.core.feed import device_feeds, feed_words
 from graphpipe.core.graph import InputSpec
 from graphpipe.errors import PipelineRuntimeError
 from graphpipe.frontend.program import Program
-from graphpipe.runtime import feed, packing, slots
+from graphpipe.runtime import feed, packing, reduce, slots
 from graphpipe.runtime.buffers import Buffers, Operands
 from graphpipe.runtime.layout import Layout
 from graphpipe.runtime.stage_code import StageCode
@@ -452,37 +451,6 @@ class StepBuilder(StageCode):
     return self._reduce_replicas(gacc), lax.psum(loss, AXIS)
 
   def _reduce_replicas(self, gacc):
-    """Sums gradients over each data-parallel stage's devices, in order."""
+    """Sums gradients over each data-parallel stage's devices (a ring)."""
     groups = [s.devices for s in self.layout.stages]
-    largest = max(len(g) for g in groups)
-    if largest == 1:
-      return gacc
-    num_devices = self.layout.num_devices
-    position = np.zeros(num_devices, np.int32)
-    size = np.ones(num_devices, np.int32)
-    for g in groups:
-      for i, d in enumerate(g):
-        position[d], size[d] = i, len(g)
-    me = lax.axis_index(AXIS)
-    pos, n = jnp.asarray(position)[me], jnp.asarray(size)[me]
-    # received[k] on the device at position i is the gradient of the
-    # device at position (i + k) mod n of its group.
-    received = [gacc]
-    for k in range(1, largest):
-      perm = [
-        (g[(i + k) % len(g)], g[i])
-        for g in groups
-        if len(g) > k
-        for i in range(len(g))
-      ]
-      received.append(lax.ppermute(gacc, AXIS, perm))
-
-    def in_order(*copies):
-      stacked = jnp.stack(copies)
-      total = jnp.zeros_like(copies[0])
-      for j in range(largest):
-        k = jnp.mod(j - pos, n)
-        total = total + jnp.where(j < n, stacked[k], 0.0)
-      return total
-
-    return jax.tree.map(in_order, *received)
+    return reduce.ring_sum(gacc, groups, self.layout.num_devices, AXIS)

@@ -68,17 +68,26 @@ def test_every_device_reads_back_its_own_rows_of_every_leaf():
   assert 4 * words < whole / 2
 
 
-def test_devices_are_fed_a_fraction_of_the_batch():
+def test_devices_are_fed_their_own_rows_of_what_their_stage_reads():
   graph = rc.tiny_graph("dlrm")  # many leaves, each read by one branch
   plan = rc.pipeline_plan("dlrm", 8, "graphpipe")
-  whole = (
-    sum(np.prod(i.shape) * jnp.dtype(i.dtype).itemsize for i in graph.inputs)
-    * plan.batch_size
-  )
-  words = feed_words(plan_feeds(graph, plan))
-  assert 0 < 4 * words < whole / 2
+  sample = {
+    i.name: np.prod(i.shape, dtype=int) * jnp.dtype(i.dtype).itemsize
+    for i in graph.inputs
+  }
+  feeds = plan_feeds(graph, plan)
+  for s in plan.stages:
+    read = {k for n in s.nodes for k in graph.nodes[n].batch_inputs}
+    rows = plan.batch_size // len(s.devices)  # its replica's share
+    pieces = plan.batch_size // s.micro_batch_size
+    for d in s.devices:
+      need = rows * sum(sample[k] for k in read)
+      # Exactly its rows, each piece padded to a whole word at most.
+      assert need <= 4 * feeds[d].words <= need + 3 * pieces * len(read)
+  whole = plan.batch_size * sum(sample.values())
+  assert 0 < 4 * feed_words(feeds) < whole
   report = graphpipe.memory_report(plan, graph, optax.sgd(0.1))
-  assert max(d["batch"] for d in report.per_device) == 4 * words
+  assert max(d["batch"] for d in report.per_device) == 4 * feed_words(feeds)
 
 
 def test_a_batch_put_once_steps_like_the_batch_itself():

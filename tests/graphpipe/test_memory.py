@@ -173,8 +173,10 @@ def test_max_padding_is_a_hard_limit_or_a_plan_error():
   budget = 2 * plan_memory(graph, tightest).largest_of(MODEL_KINDS)
   options = {"device": rc.SLOW, "memory_bytes": budget}
   options["memory_kinds"] = MODEL_KINDS
-  assert plan_memory(graph, tightest).padding_fraction > 0.3
+  # The tight plan is over the limit below, so the limit must move it.
+  assert plan_memory(graph, tightest).padding_fraction > 0.2
   chosen = graphpipe.plan(graph, 8, rc.BATCH, max_padding=0.1, **options)
+  assert chosen.stages != tightest.stages
   memory = plan_memory(graph, chosen)
   assert memory.padding_fraction <= 0.1
   assert memory.largest_of(MODEL_KINDS) <= budget
