@@ -17,7 +17,7 @@
       if anything is sent at this tick:          # the same on all devices
         for channel in channels:                 # fixed permutations
           inbox[channel] = lax.ppermute(sends[channel])  # fan-out / fan-in
-    gradients: sum over each data-parallel stage's devices (fixed order)
+    gradients: ring all-reduce over each data-parallel stage's devices
     loss: psum; optimizer: optax on each device's parameter slots
 
 Every per-device difference lives in static tables indexed by tick and
