@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -50,10 +51,12 @@ def put(
   feeds: Sequence[DeviceFeed],
   num_words: int,
   sharding,
+  packer=None,
 ) -> FedBatch:
   """Checks `batch` against the graph's leaves and packs every device's
   row of a [devices, num_words] array with `sharding` (one row a device);
-  each process packs only its own devices' rows."""
+  each process packs only its own devices' rows. Leaves already
+  replicated on the mesh are packed there by `packer` (`device_packer`)."""
   if isinstance(batch, FedBatch):
     if batch.feeds != tuple(feeds) or batch.words.shape[1] != num_words:
       raise PipelineRuntimeError(
@@ -77,7 +80,13 @@ def put(
         f"batch leaf {name!r} is {x.dtype}{list(x.shape)}; the plan "
         f"needs {spec.dtype}{list(want)}"
       )
-    host[name] = _host(x, name)
+    host[name] = x
+  if packer is not None and all(
+    _replicated_on(x, sharding) for x in host.values()
+  ):
+    # Already on every device: each packs its own row, nothing moves.
+    return FedBatch(packer(host), tuple(feeds))
+  host = {name: _host(x, name) for name, x in host.items()}
 
   def rows(index):
     devices = range(len(feeds))[index[0]]
@@ -86,6 +95,60 @@ def put(
   return FedBatch(
     jax.make_array_from_callback((len(feeds), num_words), sharding, rows),
     tuple(feeds),
+  )
+
+
+def device_packer(feeds: Sequence[DeviceFeed], num_words: int, sharding):
+  """A jitted function from leaves replicated on `sharding`'s mesh (by
+  name) to the [devices, num_words] words, each device packing its row."""
+  axis = sharding.spec[0]
+
+  def row(feed, batch):
+    parts = [jnp.zeros((0,), jnp.uint32)]
+    for block in feed.blocks:
+      start = feed.replica * feed.chunk
+      rows = batch[block.name].reshape(feed.microbatches, feed.size, -1)
+      rows = rows[:, start : start + feed.chunk].reshape(feed.microbatches, -1)
+      parts.append(_encode(rows, block).reshape(-1))
+    words = jnp.concatenate(parts)
+    return jnp.pad(words, (0, num_words - words.shape[0]))
+
+  def body(batch):
+    branches = [functools.partial(row, f) for f in feeds]
+    return lax.switch(lax.axis_index(axis), branches, batch)[None]
+
+  return jax.jit(
+    jax.shard_map(
+      body,
+      mesh=sharding.mesh,
+      in_specs=jax.sharding.PartitionSpec(),
+      out_specs=sharding.spec,
+      check_vma=False,
+    )
+  )
+
+
+def _encode(rows, block):
+  """[pieces, elements] of one leaf -> [pieces, block.words] words."""
+  size = itemsize(block.dtype)
+  if size == 4:
+    return lax.bitcast_convert_type(rows, jnp.uint32)
+  if rows.dtype == jnp.bool_:
+    raw = rows.astype(jnp.uint8)
+  else:
+    raw = lax.bitcast_convert_type(rows, jnp.uint8)
+  raw = raw.reshape(rows.shape[0], -1)
+  raw = jnp.pad(raw, ((0, 0), (0, 4 * block.words - raw.shape[1])))
+  return lax.bitcast_convert_type(
+    raw.reshape(rows.shape[0], block.words, 4), jnp.uint32
+  )
+
+
+def _replicated_on(x, sharding) -> bool:
+  return (
+    isinstance(x, jax.Array)
+    and x.sharding.is_fully_replicated
+    and x.sharding.device_set == sharding.device_set
   )
 
 

@@ -158,6 +158,7 @@ class Trainer:
     self.buffers = self.builder.buffers
     self._rows = NamedSharding(self.mesh, P(AXIS))
     self._replicated = NamedSharding(self.mesh, P())
+    self._packer = None  # packs batches already on the mesh (put_batch)
     # One compiled program serves training and verification: it returns
     # the reduced gradients beside the new state. It takes over the state
     # it is given, so that XLA updates parameters and optimizer state in
@@ -419,6 +420,10 @@ class Trainer:
     `step` and `loss_and_grads` do this to a batch they are given; a batch
     put once can be given to them again without moving any data.
     """
+    if self._packer is None:
+      self._packer = feed.device_packer(
+        self.builder.feeds, self.buffers.feed, self._rows
+      )
     return feed.put(
       batch,
       self.graph.inputs,
@@ -426,6 +431,7 @@ class Trainer:
       self.builder.feeds,
       self.buffers.feed,
       self._rows,
+      self._packer,
     )
 
   def _gather(self, rows: tuple) -> dict:

@@ -6,10 +6,13 @@ different micro-batch sizes); devices hold far less than the batch; a
 batch put once can be stepped on again.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import graphpipe
 from graphpipe import PipelineRuntimeError, Trainer
@@ -63,6 +66,15 @@ def test_every_device_reads_back_its_own_rows_of_every_leaf():
           assert got[f"batch:{n}"].dtype == want.dtype
           np.testing.assert_array_equal(np.asarray(got[f"batch:{n}"]), want)
   assert feeds[7].blocks == () and feeds[6].words == 0
+  # Leaves already on the devices are packed there, into the same bits.
+  mesh = Mesh(np.asarray(jax.devices()[:8]), ("pipe",))
+  on_mesh = {
+    k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in batch.items()
+  }
+  packed = feed.device_packer(feeds, words, NamedSharding(mesh, P("pipe")))
+  got = np.asarray(packed(on_mesh))
+  for d in range(8):
+    np.testing.assert_array_equal(got[d], feed.pack(feeds[d], batch, words))
   # A device holds its share of what its stage reads, never the batch.
   whole = sum(b.nbytes for b in batch.values())
   assert 4 * words < whole / 2
@@ -99,6 +111,11 @@ def test_a_batch_put_once_steps_like_the_batch_itself():
   state = trainer.init(model)
   put = trainer.put_batch(batch)
   assert trainer.put_batch(put) is put
+  # A batch already replicated on the trainer's devices packs the same.
+  on_mesh = jax.device_put(batch, NamedSharding(trainer.mesh, P()))
+  np.testing.assert_array_equal(
+    np.asarray(trainer.put_batch(on_mesh).words), np.asarray(put.words)
+  )
   loss, grads = trainer.loss_and_grads(state, batch)
   loss_put, grads_put = trainer.loss_and_grads(state, put)
   assert loss == loss_put
