@@ -357,7 +357,6 @@ def work_bytes(graph: OpGraph, nodes: Sequence[int], chunk: float) -> int:
 
 def memory_floor(
   graph: OpGraph,
-  batch_size: int,
   optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS,
   kinds: Sequence[str] = KINDS,
 ) -> tuple[int, str]:

@@ -77,7 +77,7 @@ def no_plan_error(
     )
   # No plan on any number of devices holds less than the floor: the
   # bisection starts there, and more devices are no remedy below it.
-  floor, heaviest = memory_floor(graph, batch, kinds=kinds)
+  floor, heaviest = memory_floor(graph, kinds=kinds)
   # Bisect the per-device memory to 1% (a budget over the unlimited plan's
   # peak fits: `plan` falls back to that plan).
   low = max(float(memory), float(floor))

@@ -75,6 +75,7 @@ def memory_report(
     graph.program,
     recompute=recompute,
     batch_size=plan.batch_size,
+    inputs=graph.inputs,
   )
   return runtime_report(
     layout,

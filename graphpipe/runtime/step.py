@@ -42,6 +42,7 @@ because a slice of a flat buffer is a copy on XLA:CPU.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,8 @@ class StepBuilder(StageCode):
     recompute: recompute each stage's forward in its backward (stash only
       the stage inputs) instead of stashing the forward's residuals.
     loss_reduction: 'mean' (the loss averages over samples) or 'sum'.
+    batch_size: samples of the mini-batch.
+    inputs: the graph's batch leaves (`OpGraph.inputs`), for the feeds.
   """
 
   def __init__(
@@ -96,6 +99,7 @@ class StepBuilder(StageCode):
     recompute: bool = False,
     loss_reduction: str = "mean",
     batch_size: int,
+    inputs: Sequence[InputSpec],
   ):
     if loss_reduction not in ("mean", "sum"):
       raise PipelineRuntimeError(
@@ -108,7 +112,7 @@ class StepBuilder(StageCode):
     super().__init__(layout, program)
     self.device_stage = layout.stage_of_device()
     self.feeds = device_feeds(
-      self._input_specs(),
+      inputs,
       [
         ([k[len("batch:") :] for k in s.batch], s.devices, s.size)
         for s in layout.stages
@@ -120,15 +124,6 @@ class StepBuilder(StageCode):
     self.channels = self._channels.groups
     self.channel_of = self._channels.channel_of
     self._make_tables()
-
-  def _input_specs(self) -> list[InputSpec]:
-    """The batch leaves the stages read, per sample (batch axis first)."""
-    specs = {}
-    for s in self.layout.stages:
-      for k, a in self._abstract_inputs(s.id)[2].items():
-        name = k[len("batch:") :]
-        specs[name] = InputSpec(name, tuple(a.shape[1:]), str(a.dtype))
-    return list(specs.values())
 
   def _make_tables(self):
     lay = self.layout

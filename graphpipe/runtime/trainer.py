@@ -154,6 +154,7 @@ class Trainer:
       recompute=recompute,
       loss_reduction=loss_reduction,
       batch_size=plan.batch_size,
+      inputs=graph.inputs,
     )
     self.buffers = self.builder.buffers
     self._rows = NamedSharding(self.mesh, P(AXIS))

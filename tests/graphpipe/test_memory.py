@@ -114,7 +114,7 @@ def test_planner_refuses_plans_whose_padded_figure_is_over_budget():
 
 def test_no_plan_error_says_when_more_devices_cannot_help():
   graph = rc.tiny_graph("dlrm")
-  floor, heaviest = memory_floor(graph, 16)
+  floor, heaviest = memory_floor(graph)
   # The floor is below every plan's figure (the random-graph test checks
   # it on hundreds of graphs): here on the planner's own plans.
   for devices in (1, 4, 8):
@@ -148,9 +148,9 @@ def test_no_plan_error_counts_the_kinds_the_budget_bounds():
     graphpipe.plan(
       graph, 4, 16, memory_bytes=0.97 * named, memory_kinds=MODEL_KINDS
     )
-  floor = memory_floor(graph, 16, kinds=MODEL_KINDS)[0]
+  floor = memory_floor(graph, kinds=MODEL_KINDS)[0]
   assert floor <= plan_memory(graph, chosen).largest_of(MODEL_KINDS)
-  assert floor < memory_floor(graph, 16)[0]
+  assert floor < memory_floor(graph)[0]
 
 
 def test_memory_report_of_an_abstract_paper_model():

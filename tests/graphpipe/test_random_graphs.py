@@ -123,8 +123,8 @@ def _check_invariants(p, graph, memory):
   report = plan_memory(graph, p)
   largest = report.largest
   assert largest <= memory * (1 + TOL)
-  assert memory_floor(graph, p.batch_size)[0] <= largest
-  floor = memory_floor(graph, p.batch_size, kinds=MODEL_KINDS)[0]
+  assert memory_floor(graph)[0] <= largest
+  floor = memory_floor(graph, kinds=MODEL_KINDS)[0]
   assert floor <= report.largest_of(MODEL_KINDS)
   low, high = _bounds(p, graph)
   # No plan on these devices beats the floor of its slowest node alone.
