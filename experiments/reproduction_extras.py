@@ -7,6 +7,8 @@ own partitioner; `experiments.reproduction_report` assembles the report.
 
 from __future__ import annotations
 
+from graphpipe.planning import engine
+
 
 def ratio(x) -> str:
   """A speed ratio as the report prints it ('n/a' for None)."""
@@ -20,9 +22,10 @@ def per_stage_section(results) -> list[str]:
     "",
     "Paper: an optional extension, no numbers given.",
     "",
-    "Samples/s with the planner's default padding trade (the least padded "
-    "plan within 5% of the fastest), then ranked by time alone "
-    "(`padding_tolerance=0`).",
+    "Samples/s with the planner's default padding trade (of the plans "
+    f"within {engine.PADDING_TOLERANCE:.0%} of the fastest, a less padded "
+    "one where its padding falls by more than its time grows), then ranked "
+    "by time alone (`padding_tolerance=0`).",
     "",
     "| model | devices | one size | per-stage sizes | sizes | speed-up "
     "| time alone: one size | per-stage | sizes | speed-up |",
@@ -60,7 +63,8 @@ def per_stage_section(results) -> list[str]:
     )
   lines.append(
     "(With the trade, a per-stage search that ranks more candidates may "
-    "settle on a less padded plan up to 5% slower.) The Trainer runs "
+    "settle on a less padded plan up to "
+    f"{engine.PADDING_TOLERANCE:.0%} slower.) The Trainer runs "
     "unequal sizes exactly like one-size plans (a stage k times larger "
     "collects k forwards and returns its gradients in k pieces)."
   )

@@ -35,14 +35,21 @@ from graphpipe.planning.stage_costs import (
 )
 from graphpipe.simulator.engine import simulate
 
-__all__ = ["PADDING_TOLERANCE", "fits", "run_search", "unlimited_plan"]
+__all__ = [
+  "PADDING_TOLERANCE",
+  "fits",
+  "least_padded",
+  "run_search",
+  "unlimited_plan",
+]
 
 # Simulation budget per search, in actions (~50 us each: about a second),
 # and in plans.
 _SIMULATED_ACTIONS = 20_000
 _SIMULATED_PLANS = 32
-# A plan this much slower than the fastest may win with less padding ...
-PADDING_TOLERANCE = 0.05
+# A plan this much slower than the fastest may win with less padding (no
+# more than the 2% by which no other partition may beat the planners') ...
+PADDING_TOLERANCE = 0.02
 # ... when its devices hold this much padding each on average (not tiny).
 PADDING_MIN_BYTES = 2**20
 # Local search starts from the best plan of this many micro-batch sizes.
@@ -202,8 +209,9 @@ def run_search(
   # estimate first, until the next estimate is no better than the fastest
   # simulated plan (or the simulation budget is spent).
   # Plans within `padding_tolerance` of the fastest are simulated too: of
-  # those, the one whose devices hold the least padding wins (every device
-  # holds slots the size of the largest stage's parameters).
+  # those, a less padded one wins where its padding falls by more than its
+  # time grows (`least_padded`; every device holds slots the size of the
+  # largest stage's parameters).
   best, budget, timed, close = None, _SIMULATED_ACTIONS, set(), []
   slack = 1.0  # 1 + padding_tolerance once the fastest plan pads much
   for c in found:
@@ -226,12 +234,30 @@ def run_search(
       padding = sum(plan_memory(graph, c[3]).padding_bytes)
       heavy = padding >= PADDING_MIN_BYTES * c[3].num_devices
       slack = 1 + padding_tolerance if heavy else 1.0
-  if slack == 1.0:  # else padding to 0.01, then time
+  if slack == 1.0:
     return best[3]
-  return min(
-    (c for c in close if c[0] <= best[0] * slack),
-    key=lambda c: (round(plan_memory(graph, c[3]).padding_fraction, 2), c[:3]),
+  return least_padded(
+    [(c[0], plan_memory(graph, c[3]).padding_fraction, c) for c in close],
+    padding_tolerance,
   )[3]
+
+
+def least_padded(timed, tolerance: float):
+  """Of (seconds, padding fraction, item) within `tolerance` of the fastest,
+  the item whose padding plus relative slowdown is least (ties: faster):
+  padding must fall by more than the time it costs, share for share.
+
+  Example:
+    >>> least_padded([(1.00, 0.30, "a"), (1.01, 0.29, "b")], 0.02)
+    'a'
+    >>> least_padded([(1.00, 0.30, "a"), (1.01, 0.10, "b")], 0.02)
+    'b'
+    >>> least_padded([(1.00, 0.30, "a"), (1.03, 0.00, "c")], 0.02)
+    'a'
+  """
+  fastest = min(t for t, _, _ in timed)
+  close = [x for x in timed if x[0] <= fastest * (1 + tolerance)]
+  return min(close, key=lambda x: (x[0] / fastest - 1 + x[1], x[0]))[2]
 
 
 def fits(
