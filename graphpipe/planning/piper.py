@@ -61,7 +61,7 @@ class PiperPartitioner:
     (((0,), 1), ((1,), 1), ((2,), 1), ((3,), 1), ((4,), 1), ((5,), 1),
      ((6,), 1), ((7, 8), 1))
     >>> partitions[0].chain, piper.priced          # (down-set pairs priced)
-    (True, 226)
+    (True, 225)
     >>> PiperPartitioner(graph, costs, budget=100)(4)
     Traceback (most recent call last):
     ...
@@ -88,12 +88,22 @@ class PiperPartitioner:
       self.succ[e.src] |= 1 << e.dst
 
   def __call__(self, micro_batch: int) -> list[Partition]:
-    """Piper's partition for one micro-batch size (or [] if none fits)."""
+    """Piper's partitions for one micro-batch size (or [] if none fits).
+
+    The first is Piper's answer, the smallest bottleneck on all devices;
+    then, as every planner here offers what its DP discards, the best on
+    fewer devices (read from the same table: f(V, 0, k) for k < N), whose
+    spare devices `graphpipe.plan` then spends as replicas where they
+    shorten the iteration (with few micro-batches, fewer and wider stages
+    can beat the smallest bottleneck)."""
     solver = _DownSetSolver(self, micro_batch)
-    stages = solver.solve()
-    if stages is None:
-      return []
-    return [Partition(tuple(stages), micro_batch, chain=True)]
+    found = {}
+    for k in range(self.costs.num_devices, 0, -1):
+      stages = solver.solve(k)
+      if stages is None:
+        break
+      found.setdefault(tuple(stages), None)
+    return [Partition(s, micro_batch, chain=True) for s in found]
 
 
 class _DownSetSolver:
@@ -123,15 +133,16 @@ class _DownSetSolver:
       self._options[stage] = row
     return self._options[stage]
 
-  def solve(self) -> list[tuple[tuple[int, ...], int]] | None:
-    """The stages of f(V, 0, N) in pipeline order, or None."""
-    ideal, after, k = self.owner.all_nodes, 0, self.devices
+  def solve(self, devices: int) -> list[tuple[tuple[int, ...], int]] | None:
+    """The stages of f(V, 0, devices) in pipeline order, or None."""
+    ideal, after, k = self.owner.all_nodes, 0, devices
     if not np.isfinite(self.f(ideal)[after, k]):
       return None
     stages = []
     while ideal:
       want = self.f(ideal)[after, k]
-      for stage, rest, option, cand in self._choices(ideal):
+      # Reading the plan back prices no new stage: not counted.
+      for stage, rest, option, cand in self._choices(ideal, count=False):
         if cand[after, k] == want:
           stages.append((tuple(_bits(stage)), option[0]))
           ideal, after, k = rest, after + 1, k - option[0]
@@ -151,7 +162,7 @@ class _DownSetSolver:
       self.memo[ideal] = found
     return found
 
-  def _choices(self, ideal: int):
+  def _choices(self, ideal: int, count: bool = True):
     """(S, I - S, option, candidate table) for every priced choice."""
     owner = self.owner
     for stage in self._upsets(ideal):
@@ -167,6 +178,8 @@ class _DownSetSolver:
         cand = np.maximum(shifted, tps)
         cand[cap:, :] = np.inf  # memory holds `cap` in flight
         yield stage, rest, option, cand
+      if not count:
+        continue
       owner.priced += 1
       if owner.priced > owner.budget:
         raise PlanError(
