@@ -31,7 +31,9 @@ def spend_spare_devices(
   shorter period) or other stages on the critical path (a shorter warm-up
   and drain, which matters when there are few micro-batches). Greedily,
   one stage at a time, the next device count that divides the micro-batch
-  goes where it cuts a quick estimate of the iteration,
+  goes where it cuts a quick estimate of the iteration (to one stage, or at
+  once to all stages that cost the same, such as parallel copies of one
+  branch: one of them alone would leave the others on the critical path),
 
     (m - 1) * slowest stage + longest path of stage times + slowest sync,
 
@@ -80,25 +82,43 @@ def spend_spare_devices(
     )
     return steady + max(path.values()) + sync
 
+  def twins(ks):
+    """Stages that cost the same (e.g. parallel copies of one branch):
+    one of them alone with more devices leaves the others on the path."""
+    groups = {}
+    for i, ((nodes, _), k, b) in enumerate(
+      zip(part.stages, ks, sizes, strict=True)
+    ):
+      key = (
+        k,
+        b,
+        f"{costs.microbatch_time(nodes, b, k):.12g}",
+        f"{costs.sync_time(nodes, k):.12g}",
+      )
+      groups.setdefault(key, []).append(i)
+    return [g for g in groups.values() if len(g) > 1]
+
   current = estimate(counts)
   while spare > 0:
     best = None
-    for i, k in enumerate(counts):
+    moves = [[i] for i in range(len(counts))] + twins(counts)
+    for group in moves:
+      k, b = counts[group[0]], sizes[group[0]]
       more = next(
-        (k2 for k2 in range(k + 1, k + spare + 1) if sizes[i] % k2 == 0),
+        (k2 for k2 in range(k + 1, k + spare // len(group) + 1) if b % k2 == 0),
         None,
       )
       if more is None:
         continue
-      trial = counts[:i] + [more] + counts[i + 1 :]
+      trial = [more if i in group else c for i, c in enumerate(counts)]
       time_taken = estimate(trial)
       if time_taken < current and (best is None or time_taken < best[0]):
-        best = (time_taken, i, more)
+        best = (time_taken, trial)
     if best is None:
       break
-    current, i, more = best
-    spare -= more - counts[i]
-    counts[i] = more
+    current, trial = best
+    spare -= sum(trial) - sum(counts)
+    counts = trial
   stages = tuple(
     (nodes, k) for (nodes, _), k in zip(part.stages, counts, strict=True)
   )

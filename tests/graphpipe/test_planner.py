@@ -10,7 +10,7 @@ from graphpipe.core.graph import Edge, Node, OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.errors import GraphpipeError, PlanError
 from graphpipe.planning import baselines, engine
-from graphpipe.planning.assemble import spend_spare_devices
+from graphpipe.planning.assemble import assemble, spend_spare_devices
 from graphpipe.planning.candidates import Partition
 from graphpipe.planning.search import PLANNERS, plan
 from graphpipe.planning.stage_costs import StageCosts, estimate_iteration_time
@@ -227,6 +227,31 @@ def test_spare_devices_go_to_the_bottleneck():
   part = Partition((((0,), 1), ((1, 2), 1)), micro_batch_size=4)
   spent = spend_spare_devices(graph, part, table)
   assert sum(k for _, k in spent.stages) > 2
+
+
+def test_spare_devices_go_to_parallel_branches_together():
+  # Four equal branches on one device each, the join and head on one, two
+  # micro-batches: the branches' compute is much of the critical path, but
+  # a device for one branch alone leaves the other three on it.
+  graph = candle_like(4)
+  branches = [tuple(range(4 * b, 4 * b + 4)) for b in range(4)]
+  table = StageCosts(graph, V100, 2048, 12, V100.memory_bytes)
+
+  def partition(branch, join):
+    return Partition(
+      tuple((nodes, branch) for nodes in branches)
+      + (((16, 17, 18, 19), join),),
+      micro_batch_size=1024,
+    )
+
+  def seconds(part):
+    p = assemble(graph, part, table, "graphpipe")
+    return simulate(p, graph, V100).iteration_time_s
+
+  spent = spend_spare_devices(graph, partition(1, 1), table)
+  assert [k for _, k in spent.stages] == [2, 2, 2, 2, 4]
+  # (What one stage at a time reaches: the join's devices only.)
+  assert seconds(spent) < 0.8 * seconds(partition(1, 4))
 
 
 def test_estimate_tracks_the_simulator():
