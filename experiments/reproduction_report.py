@@ -256,12 +256,11 @@ def ablation_section(results) -> list[str]:
       if r["graphpipe_micro_batch_size"] == r["sequential_micro_batch_size"]
     ]
     if same:
+      only, both = "concurrency_only", "concurrency_and_micro_batch"
       apart = [
-        f"{r['model']} {r['concurrency_only']:.2f}x against "
-        f"{r['concurrency_and_micro_batch']:.2f}x"
+        f"{r['model']} {r[only]:.2f}x against {r[both]:.2f}x"
         for r in same
-        if abs(r["concurrency_only"] - r["concurrency_and_micro_batch"])
-        >= 0.005
+        if abs(r[only] - r[both]) >= 0.005
       ]
       lines.append(
         f"For {', '.join(r['model'] for r in same)} GraphPipe keeps the "
