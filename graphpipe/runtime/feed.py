@@ -55,8 +55,9 @@ def put(
 ) -> FedBatch:
   """Checks `batch` against the graph's leaves and packs every device's
   row of a [devices, num_words] array with `sharding` (one row a device);
-  each process packs only its own devices' rows. Leaves already
-  replicated on the mesh are packed there by `packer` (`device_packer`)."""
+  each process packs only its own devices' rows. Leaves already on the
+  mesh's devices (any sharding) are packed there by `packer`
+  (`device_packer`)."""
   if isinstance(batch, FedBatch):
     if batch.feeds != tuple(feeds) or batch.words.shape[1] != num_words:
       raise PipelineRuntimeError(
@@ -81,10 +82,9 @@ def put(
         f"needs {spec.dtype}{list(want)}"
       )
     host[name] = x
-  if packer is not None and all(
-    _replicated_on(x, sharding) for x in host.values()
-  ):
-    # Already on every device: each packs its own row, nothing moves.
+  if packer is not None and all(_on(x, sharding) for x in host.values()):
+    # Already on the trainer's devices (replicated, or sharded any way,
+    # across processes too): packed there, each device its own row.
     return FedBatch(packer(host), tuple(feeds))
   host = {name: _host(x, name) for name, x in host.items()}
 
@@ -99,9 +99,14 @@ def put(
 
 
 def device_packer(feeds: Sequence[DeviceFeed], num_words: int, sharding):
-  """A jitted function from leaves replicated on `sharding`'s mesh (by
-  name) to the [devices, num_words] words, each device packing its row."""
+  """A jitted function from leaves on `sharding`'s devices (by name) to
+  the [devices, num_words] words, each device packing its row. A leaf
+  that is not replicated is gathered onto every device first (for the
+  packing only: the step holds just the words)."""
   axis = sharding.spec[0]
+  everywhere = jax.sharding.NamedSharding(
+    sharding.mesh, jax.sharding.PartitionSpec()
+  )
 
   def row(feed, batch):
     parts = [jnp.zeros((0,), jnp.uint32)]
@@ -117,14 +122,15 @@ def device_packer(feeds: Sequence[DeviceFeed], num_words: int, sharding):
     branches = [functools.partial(row, f) for f in feeds]
     return lax.switch(lax.axis_index(axis), branches, batch)[None]
 
+  packed = jax.shard_map(
+    body,
+    mesh=sharding.mesh,
+    in_specs=jax.sharding.PartitionSpec(),
+    out_specs=sharding.spec,
+    check_vma=False,
+  )
   return jax.jit(
-    jax.shard_map(
-      body,
-      mesh=sharding.mesh,
-      in_specs=jax.sharding.PartitionSpec(),
-      out_specs=sharding.spec,
-      check_vma=False,
-    )
+    lambda batch: packed(lax.with_sharding_constraint(batch, everywhere))
   )
 
 
@@ -144,11 +150,9 @@ def _encode(rows, block):
   )
 
 
-def _replicated_on(x, sharding) -> bool:
-  return (
-    isinstance(x, jax.Array)
-    and x.sharding.is_fully_replicated
-    and x.sharding.device_set == sharding.device_set
+def _on(x, sharding) -> bool:
+  return isinstance(x, jax.Array) and x.sharding.device_set == (
+    sharding.device_set
   )
 
 
@@ -159,8 +163,10 @@ def _host(x, name: str) -> np.ndarray:
   if x.is_fully_replicated:
     return np.asarray(x.addressable_data(0))
   raise PipelineRuntimeError(
-    f"batch leaf {name!r} is a jax.Array sharded across processes; give "
-    "every process the whole batch (numpy, or a replicated array)"
+    f"batch leaf {name!r} is a jax.Array sharded across processes but "
+    "not on the trainer's devices (or beside leaves that are not): put "
+    "every leaf on the trainer's devices, or give every process the "
+    "whole batch"
   )
 
 

@@ -28,6 +28,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import graphpipe  # noqa: E402
 from graphpipe.core.stages import Plan, Stage, in_flight_counts  # noqa: E402
@@ -154,6 +156,34 @@ def replicas_identical(tr, state) -> bool:
   )
 
 
+def split_batch_packs_the_same() -> bool:
+  """A batch split by samples over both processes' devices (each holding
+  its rows only, as a loader gives it) is packed on the devices into the
+  same words as the whole batch on every process's host."""
+  groups = (((0, 1), (0, 1, 2, 3)), ((2, 3), (4, 5)), ((4,), (6, 7)))
+  edges = ((0, 2), (1, 2))
+  flight = in_flight_counts(len(groups), edges)
+  stages = tuple(
+    Stage(i, nodes, devices, 4, flight[i])
+    for i, (nodes, devices) in enumerate(groups)
+  )
+  tr = Trainer(
+    Plan("manual", stages, edges, BATCH, 8), optax.sgd(0.1), graph=graph()
+  )
+  host = batch(0)
+  by_samples = NamedSharding(tr.mesh, P(tr.mesh.axis_names[0]))
+  split = {
+    k: jax.make_array_from_callback(v.shape, by_samples, lambda i, v=v: v[i])
+    for k, v in host.items()
+  }
+  assert not split["x"].is_fully_addressable
+  words = [
+    np.asarray(multihost_utils.process_allgather(w, tiled=True))
+    for w in (tr.put_batch(split).words, tr.put_batch(host).words)
+  ]
+  return bool(np.array_equal(*words))
+
+
 def run(mode, out, ckpt):
   tr = trainer()
   if mode == "train":
@@ -176,6 +206,7 @@ def run(mode, out, ckpt):
     "losses": losses,
     "cross_processes": [int(mesh[d].process_index) for d in GROUPS[CROSS][1]],
     "replicas_identical": replicas_identical(tr, state),
+    "split_batch": split_batch_packs_the_same() if mode == "train" else None,
   }
 
 

@@ -75,6 +75,14 @@ def test_every_device_reads_back_its_own_rows_of_every_leaf():
   got = np.asarray(packed(on_mesh))
   for d in range(8):
     np.testing.assert_array_equal(got[d], feed.pack(feeds[d], batch, words))
+  # So are leaves split over the devices by samples (as a loader spreads
+  # a global batch over processes), and any mix of the two.
+  split = {
+    k: jax.device_put(v, NamedSharding(mesh, P("pipe" if i % 2 else None)))
+    for i, (k, v) in enumerate(batch.items())
+  }
+  assert not all(v.sharding.is_fully_replicated for v in split.values())
+  np.testing.assert_array_equal(np.asarray(packed(split)), got)
   # A device holds its share of what its stage reads, never the batch.
   whole = sum(b.nbytes for b in batch.values())
   assert 4 * words < whole / 2
@@ -112,10 +120,12 @@ def test_a_batch_put_once_steps_like_the_batch_itself():
   put = trainer.put_batch(batch)
   assert trainer.put_batch(put) is put
   # A batch already replicated on the trainer's devices packs the same.
-  on_mesh = jax.device_put(batch, NamedSharding(trainer.mesh, P()))
-  np.testing.assert_array_equal(
-    np.asarray(trainer.put_batch(on_mesh).words), np.asarray(put.words)
-  )
+  axis = trainer.mesh.axis_names[0]
+  for spec in (P(), P(axis)):  # replicated, or split by samples
+    on_mesh = jax.device_put(batch, NamedSharding(trainer.mesh, spec))
+    np.testing.assert_array_equal(
+      np.asarray(trainer.put_batch(on_mesh).words), np.asarray(put.words)
+    )
   loss, grads = trainer.loss_and_grads(state, batch)
   loss_put, grads_put = trainer.loss_and_grads(state, put)
   assert loss == loss_put

@@ -58,6 +58,8 @@ def test_two_processes_reproduce_one_process(tmp_path):
       assert result["process"] == process and result["devices"] == 8
       assert result["cross_processes"] == [0, 1]  # replicas apart
       assert result["replicas_identical"], (mode, process)
+      # A batch split over the processes' devices packs like a whole one.
+      assert result["split_batch"] is (True if mode == "train" else None)
       assert result["losses"] == want[first:]  # bit for bit
     with np.load(os.path.join(out, f"params_{mode}.npz")) as got:
       assert sorted(got.files) == sorted(want_params)
