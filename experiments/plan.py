@@ -46,6 +46,7 @@ from graphpipe.errors import (
   PipelineRuntimeError,
   PlotsUnavailableError,
 )
+from graphpipe.planning import engine
 from graphpipe.simulator import iteration_floor
 
 
@@ -242,7 +243,8 @@ def define_flags() -> None:
     "padding_tolerance",
     None,
     "How much slower a less padded plan may be and still win (a share of "
-    "the fastest plan's time); default the planner's 0.05, 0 = time alone.",
+    "the fastest plan's time); default the planner's "
+    f"{engine.PADDING_TOLERANCE}, 0 = time alone.",
   )
   flags.DEFINE_float(
     "max_padding",
