@@ -105,7 +105,8 @@ def run_search(
   candidates: dict[Partition, tuple | None] = {}
 
   def evaluate(part: Partition) -> tuple | None:
-    """(estimate, in flight at the source, -b, plan), None if over memory."""
+    """(estimate, in flight at the source, -b, plan, its memory), None if
+    over memory."""
     if part not in candidates:
       p = assemble(graph, part, costs, planner, fingerprint)
       ok = all(
@@ -128,6 +129,7 @@ def run_search(
           p.stages[0].in_flight,
           -p.micro_batch_size,
           p,
+          memory,
         )
     return candidates[part]
 
@@ -231,13 +233,13 @@ def run_search(
     close.append((seconds, *c[1:]))
     if best is None or (seconds, *c[1:3]) < best[:3]:
       best = (seconds, *c[1:])
-      padding = sum(plan_memory(graph, c[3]).padding_bytes)
+      padding = sum(c[4].padding_bytes)
       heavy = padding >= PADDING_MIN_BYTES * c[3].num_devices
       slack = 1 + padding_tolerance if heavy else 1.0
   if slack == 1.0:
     return best[3]
   return least_padded(
-    [(c[0], plan_memory(graph, c[3]).padding_fraction, c) for c in close],
+    [(c[0], c[4].padding_fraction, c) for c in close],
     padding_tolerance,
   )[3]
 
