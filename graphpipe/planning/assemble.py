@@ -1,6 +1,7 @@
 """From a partition to a `Plan`: spare devices, placement, stage edges.
 
   part = spend_spare_devices(graph, part, costs)  # unused devices, if useful
+  part = split_branches(graph, part, costs)  # or: grouped branches apart
   p = assemble(graph, part, costs, "graphpipe")  # place, order, in-flight
 
 `assemble` places stages on devices (`place_devices`), derives the stage
@@ -123,6 +124,86 @@ def spend_spare_devices(
     (nodes, k) for (nodes, _), k in zip(part.stages, counts, strict=True)
   )
   return dataclasses.replace(part, stages=stages)
+
+
+def split_branches(
+  graph: OpGraph, part: Partition, costs: StageCosts
+) -> Partition:
+  """Unused devices spent on running a stage's independent parts apart.
+
+  The DPs give each stage the fewest devices that meet the target, so a
+  stage may group parallel branches (parts of its nodes with no operator
+  edge between them) where one device suffices for the bottleneck. With
+  devices left over, those parts may run concurrently instead, each a
+  stage on the group's replica count: that shortens the critical path
+  where data parallelism would add an all-reduce (few micro-batches).
+  Busiest stages first, while devices last. Each part of a convex stage
+  is convex and the stage graph stays acyclic (a path between two parts
+  through other stages would leave the stage and come back).
+
+  Example:
+    >>> from graphpipe.costs import AnalyticCostModel, device_spec
+    >>> graph = capture_zoo("two_branch", "paper")   # branches 0-3, 4-7; 8
+    >>> costs = StageCosts(graph, AnalyticCostModel(device_spec("v100")),
+    ...                    batch_size=8, num_devices=4, memory_bytes=16e9)
+    >>> part = Partition((((0, 1, 4, 5), 1), ((2, 3, 6, 7, 8), 1)),
+    ...                  micro_batch_size=8)
+    >>> split_branches(graph, part, costs).stages
+    (((0, 1), 1), ((4, 5), 1), ((2, 3, 6, 7, 8), 1))
+
+  Args:
+    graph: the operator graph.
+    part: a partition that may leave devices unused (not a chain: chain
+      stages follow one another; one micro-batch size).
+    costs: the stage costs it was made with.
+  """
+  spare = costs.num_devices - sum(k for _, k in part.stages)
+  if spare <= 0 or part.chain or part.sizes:
+    return part
+  b = part.micro_batch_size
+  parts = [_independent_parts(graph, nodes) for nodes, _ in part.stages]
+  busiest = sorted(
+    range(len(part.stages)),
+    key=lambda i: (
+      -costs.microbatch_time(part.stages[i][0], b, part.stages[i][1])
+    ),
+  )
+  split = set()
+  for i in busiest:
+    k = part.stages[i][1]
+    extra = (len(parts[i]) - 1) * k
+    if len(parts[i]) > 1 and extra <= spare:
+      split.add(i)
+      spare -= extra
+  if not split:
+    return part
+  stages = []
+  for i, (nodes, k) in enumerate(part.stages):
+    pieces = parts[i] if i in split else [nodes]
+    stages += [(piece, k) for piece in pieces]
+  return dataclasses.replace(part, stages=tuple(stages))
+
+
+def _independent_parts(graph: OpGraph, nodes) -> list[tuple[int, ...]]:
+  """`nodes` split into the parts that no operator edge joins (weakly
+  connected components of the induced subgraph), each sorted, in order of
+  their first node."""
+  inside = set(nodes)
+  root = {v: v for v in nodes}
+
+  def find(v):
+    while root[v] != v:
+      root[v] = root[root[v]]
+      v = root[v]
+    return v
+
+  for e in graph.edges:
+    if e.src in inside and e.dst in inside:
+      root[find(e.src)] = find(e.dst)
+  groups: dict[int, list[int]] = {}
+  for v in sorted(nodes):
+    groups.setdefault(find(v), []).append(v)
+  return sorted((tuple(g) for g in groups.values()), key=lambda g: g[0])
 
 
 def assemble(

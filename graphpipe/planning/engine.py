@@ -22,7 +22,11 @@ from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import KINDS, plan_memory
 from graphpipe.core.stages import Plan
 from graphpipe.planning import baselines
-from graphpipe.planning.assemble import assemble, spend_spare_devices
+from graphpipe.planning.assemble import (
+  assemble,
+  spend_spare_devices,
+  split_branches,
+)
 from graphpipe.planning.candidates import Partition
 from graphpipe.planning.graphpipe_dp import GraphPipePartitioner
 from graphpipe.planning.micro_batches import grow_micro_batches
@@ -135,6 +139,14 @@ def run_search(
 
   for b, partition in itertools.product(sizes, partitioners):
     for part in partition(b):
+      apart = (
+        split_branches(graph, part, costs) if planner == "graphpipe" else part
+      )
+      if apart != part:
+        # Grouped branches run apart on spare devices: a candidate beside
+        # the one whose spare devices become replicas.
+        if evaluate(spend_spare_devices(graph, apart, costs)) is None:
+          evaluate(apart)
       if part.schedule == "1f1b":
         spent = spend_spare_devices(graph, part, costs)
         # Replicas hold their gradient sums: the partition as the DP gave

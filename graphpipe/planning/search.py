@@ -14,7 +14,9 @@ smaller depth bounds, stages filled from the front and from the back, and
 all of these again under a second metric that leaves each stage's
 all-reduce and optimizer step off the critical path
 (`StageCosts.steady_time_per_sample`). `plan` gives spare devices where
-they shorten the iteration, places stages on devices, derives stage edges
+they shorten the iteration (for GraphPipe also, as another candidate, to
+the branches a stage grouped, which then run apart: `assemble.
+split_branches`), places stages on devices, derives stage edges
 and in-flight counts, ranks every candidate by `estimate_iteration_time`,
 runs a local search (`graphpipe.planning.refine`) from the best plan of
 the best few micro-batch sizes, and finally simulates candidates best

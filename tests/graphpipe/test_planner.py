@@ -10,7 +10,11 @@ from graphpipe.core.graph import Edge, Node, OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.errors import GraphpipeError, PlanError
 from graphpipe.planning import baselines, engine
-from graphpipe.planning.assemble import assemble, spend_spare_devices
+from graphpipe.planning.assemble import (
+  assemble,
+  spend_spare_devices,
+  split_branches,
+)
 from graphpipe.planning.candidates import Partition
 from graphpipe.planning.search import PLANNERS, plan
 from graphpipe.planning.stage_costs import StageCosts, estimate_iteration_time
@@ -252,6 +256,34 @@ def test_spare_devices_go_to_parallel_branches_together():
   assert [k for _, k in spent.stages] == [2, 2, 2, 2, 4]
   # (What one stage at a time reaches: the join's devices only.)
   assert seconds(spent) < 0.8 * seconds(partition(1, 4))
+
+
+def test_grouped_branches_run_apart_on_spare_devices():
+  # Two branches share a 2-replica stage, the join has one device, 8 of
+  # 12 devices are spare: each branch becomes a stage on 2 replicas (the
+  # busiest group first); a chain, per-stage sizes or no spare device: as
+  # it was.
+  graph = candle_like(3)
+  table = StageCosts(graph, V100, 64, 12, V100.memory_bytes)
+  two = tuple(range(8))
+  part = Partition(
+    ((two, 2), ((8, 9, 10, 11), 1), ((12, 13, 14, 15), 1)),
+    micro_batch_size=16,
+  )
+  apart = split_branches(graph, part, table)
+  assert apart.stages == (
+    ((0, 1, 2, 3), 2),
+    ((4, 5, 6, 7), 2),
+    ((8, 9, 10, 11), 1),
+    ((12, 13, 14, 15), 1),
+  )
+  check_plan(assemble(graph, apart, table, "graphpipe"), graph, 16e9)
+  for same in (
+    dataclasses.replace(part, chain=True),
+    dataclasses.replace(part, sizes=(16, 16, 16)),
+    dataclasses.replace(part, stages=((two, 10), *part.stages[1:])),
+  ):
+    assert split_branches(graph, same, table) == same
 
 
 def test_estimate_tracks_the_simulator():

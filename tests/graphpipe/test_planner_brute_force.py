@@ -68,7 +68,17 @@ def test_sequential_beats_every_chain_partition(seed):
   within_brute_force(seed, "sequential", "chain")
 
 
-@pytest.mark.parametrize("seed", range(30))
+# Seeds past the first 30 where a sweep of 2,100 graphs found GraphPipe's
+# plan 3-21% slower than brute force: a trunk whose last stage should take
+# the head of one branch while the branches run apart (553, 1077: the DP
+# grouped the branches on one device and the spare device became a
+# replica), a replicated stage that should give a device to one of its
+# own nodes (947), stage moves the local search's beam of 4 missed (1663,
+# 2123: fewer parameters in the stage that steps its optimizer last).
+HARD_SEEDS = [553, 947, 1077, 1663, 2123]
+
+
+@pytest.mark.parametrize("seed", [*range(30), *HARD_SEEDS])
 def test_graphpipe_beats_every_series_parallel_stage_graph(seed):
   within_brute_force(seed, "graphpipe", "sp")
 
