@@ -39,9 +39,16 @@ from graphpipe.planning.candidates import Partition
 DEFAULT_BUDGET = 400
 # Beam search: the best few neighbours of the beam form the next beam, so
 # the walk crosses a few worse plans to a better one; it stops when the
-# best plan found has not improved for a few rounds. (A beam of 4 missed
-# plans 3-21% faster on 2 of 2,100 random graphs of 3-8 nodes.)
-_BEAM = 8
+# best plan found has not improved for a few rounds.
+BEAM = 4
+# With few micro-batches per iteration the bottleneck the DPs minimise says
+# little (fill, drain and the last optimizer step are most of the
+# iteration) and the local search does most of the work: it looks wider
+# (a beam of 4 missed plans 3-21% faster on 2 of 2,100 random graphs of
+# 3-8 nodes, one micro-batch each; 8 everywhere made planning small
+# graphs 1.5x slower).
+WIDE_BEAM = 8
+FEW_MICRO_BATCHES = 2
 _PATIENCE = 3
 
 
@@ -126,6 +133,7 @@ def refine(
   evaluate: Callable[[Partition], float | None],
   busy: Callable[[tuple[int, ...], int], float],
   budget: int = DEFAULT_BUDGET,
+  beam: int = BEAM,
 ) -> Partition:
   """The best partition the beam search from `part` finds (module
   docstring); `part` itself when nothing better turns up.
@@ -160,6 +168,8 @@ def refine(
     busy: a stage's busy time per micro-batch from its nodes and replica
       count (devices move to the busiest stages).
     budget: evaluations at most.
+    beam: plans the walk keeps each round (`WIDE_BEAM` where there are
+      few micro-batches: `graphpipe.planning.engine.run_search`).
   """
   if part.sizes:
     return part  # moves would have to carry sizes along: not searched
@@ -200,6 +210,7 @@ def refine(
     return out
 
   best = (current, state)
+  width = beam
   beam, expanded, stale = [state], set(), 0
   while beam and stale < _PATIENCE and len(seen) < budget:
     pool: dict[Partition, tuple[float, _State]] = {}
@@ -210,7 +221,7 @@ def refine(
         if key not in expanded:
           pool[key] = (value, move)
     beam = [
-      move for _, move in sorted(pool.values(), key=lambda x: x[0])[:_BEAM]
+      move for _, move in sorted(pool.values(), key=lambda x: x[0])[:width]
     ]
     if pool and min(pool.values(), key=lambda x: x[0])[0] < best[0] * (
       1 - 1e-9
