@@ -20,13 +20,14 @@ DIR/REPRODUCTION.md beside the paper's numbers:
                 paper's two plans (8 stages of one block) in our cost model
   parity        the sequential transformer, graphpipe / sequential
   per_stage     GraphPipe with per-stage micro-batch sizes against one size,
-                with the planner's padding trade and by time alone
+                with the planner's padding trade and by time alone; and
+                where memory binds (half and a quarter of the preset's)
   pipedream_check  PipeDream's published DP (`experiments.pipedream`)
                 against `sequential` for mmt, candle_uno and transformer at
                 4, 8 and 16 devices
 
 The report's text is generated from the numbers (`experiments.
-reproduction_report`), so it never goes stale. About 4 minutes on the
+reproduction_report`), so it never goes stale. About 6 minutes on the
 2-core development machine.
 """
 
@@ -44,6 +45,7 @@ from experiments import (
   pipedream,
   reproduction_figures,
   reproduction_report,
+  reproduction_sizes,
 )
 from graphpipe import capture, models, plan, simulate
 from graphpipe.costs import AnalyticCostModel, device_spec
@@ -68,6 +70,8 @@ class Setup:
     branches: CANDLE-Uno branch counts of the sweep.
     device: the device preset.
     piper_budget: stages Piper may price per search.
+    memory_shares: shares of the preset's memory at which per-stage sizes
+      are weighed again (`per_stage`'s `memory_rows`: where memory binds).
     graphs: captured graphs, by model name or (name, branches); filled as
       the run captures them (tests pass synthetic ones).
   """
@@ -78,6 +82,7 @@ class Setup:
   branches: tuple[int, ...] = (2, 4, 8, 16)
   device: str = "v100"
   piper_budget: int = PIPER_BUDGET
+  memory_shares: tuple[float, ...] = (0.5, 0.25)
   graphs: dict = dataclasses.field(default_factory=dict)
 
   def cost_model(self):
@@ -181,7 +186,7 @@ def throughput(setup: Setup, progress) -> dict:
     for devices in setup.devices:
       for planner in PLANNERS:
         rows.append(run_planner(setup, graph, name, devices, planner))
-        progress.step(_note(rows[-1]))
+        progress.step(note(rows[-1]))
   out = {"rows": rows, "speedup": []}
   for name in MODELS:
     for entry in speedups(
@@ -201,7 +206,7 @@ def branch_sweep(setup: Setup, progress) -> dict:
       )
       row["branches"] = branches
       rows.append(row)
-      progress.step(f"{branches} branches: " + _note(row))
+      progress.step(f"{branches} branches: " + note(row))
   heaviest = {
     branches: max(
       n.param_bytes for n in setup.graph("candle_uno", branches).nodes
@@ -247,7 +252,7 @@ def ablation(setup: Setup, through: dict, progress) -> dict:
       "graphpipe",
       micro_batch_sizes=[seq["micro_batch_size"]],
     )
-    progress.step(f"{name} concurrency only: " + _note(only))
+    progress.step(f"{name} concurrency only: " + note(only))
     base = seq["throughput_samples_per_s"]
     out.append(
       {
@@ -284,7 +289,7 @@ def case_study(setup: Setup, progress) -> dict:
   rows = []
   for planner in PLANNERS:
     rows.append(run_planner(setup, graph, "two_branch", 8, planner))
-    progress.step("case study: " + _note(rows[-1]))
+    progress.step("case study: " + note(rows[-1]))
   plans = paper.case_study_plans(graph)
   model = setup.cost_model()
   timed = {
@@ -311,73 +316,12 @@ def parity(setup: Setup, progress) -> dict:
   for devices in setup.devices:
     for planner in PLANNERS:
       rows.append(run_planner(setup, graph, "transformer", devices, planner))
-      progress.step("parity: " + _note(rows[-1]))
+      progress.step("parity: " + note(rows[-1]))
   return {"rows": rows, "speedup": speedups(rows, "num_devices")}
 
 
-def per_stage(setup: Setup, through: dict, progress) -> dict:
-  out = []
-  for name in MODELS:
-    for devices in setup.devices:
-      uniform = next(
-        (
-          r
-          for r in through["rows"]
-          if (r["model"], r["num_devices"], r["planner"])
-          == (name, devices, "graphpipe")
-        ),
-        None,
-      )
-      if uniform is None or "error" in uniform:
-        continue
-      sized = run_planner(
-        setup,
-        setup.graph(name),
-        name,
-        devices,
-        "graphpipe",
-        per_stage_micro_batches=True,
-      )
-      progress.step("per-stage sizes: " + _note(sized))
-      # The same pair ranked by time alone (no padding trade): what
-      # per-stage sizes are worth in throughput, unmixed with memory.
-      timed = {
-        key: run_planner(
-          setup,
-          setup.graph(name),
-          name,
-          devices,
-          "graphpipe",
-          per_stage_micro_batches=key == "per_stage",
-          padding_tolerance=0.0,
-        )
-        for key in ("uniform", "per_stage")
-      }
-      progress.step("per-stage sizes, time alone: " + _note(timed["per_stage"]))
-      if any("error" in r for r in (sized, *timed.values())):
-        continue
-      speed = {k: r["throughput_samples_per_s"] for k, r in timed.items()}
-      out.append(
-        {
-          "model": name,
-          "num_devices": devices,
-          "uniform": uniform["throughput_samples_per_s"],
-          "per_stage": sized["throughput_samples_per_s"],
-          "micro_batch_sizes": sorted(set(sized["micro_batch_sizes"])),
-          "speedup": sized["throughput_samples_per_s"]
-          / uniform["throughput_samples_per_s"],
-          "uniform_time_only": speed["uniform"],
-          "per_stage_time_only": speed["per_stage"],
-          "micro_batch_sizes_time_only": sorted(
-            set(timed["per_stage"]["micro_batch_sizes"])
-          ),
-          "speedup_time_only": speed["per_stage"] / speed["uniform"],
-        }
-      )
-  return {"rows": out}
-
-
-def _note(row: dict) -> str:
+def note(row: dict) -> str:
+  """One configuration's row in a progress line."""
   head = f"{row['model']} {row['num_devices']} {row['planner']}"
   if "error" in row:
     return f"{head}: no plan ({row['search_time_s']:.1f} s)"
@@ -398,6 +342,7 @@ def run(setup: Setup, out: str, plots: bool = True) -> dict:
     + len(PLANNERS) * (1 + len(setup.devices))
     + 3 * len([d for d in setup.devices if d <= 16])
     + len(MODELS) * len(setup.devices)
+    + len(MODELS) * len(setup.memory_shares)
   )
   progress = common.Progress(steps, "configuration")
   through = throughput(setup, progress)
@@ -407,7 +352,9 @@ def run(setup: Setup, out: str, plots: bool = True) -> dict:
   results["search_time"] = search_time(setup, through)
   results["case_study"] = case_study(setup, progress)
   results["parity"] = parity(setup, progress)
-  results["per_stage"] = per_stage(setup, through, progress)
+  results["per_stage"] = reproduction_sizes.per_stage(
+    setup, MODELS, through, progress, run_planner, note
+  )
   results["pipedream_check"] = pipedream.reproduce_rows(
     setup, through, results["parity"], progress
   )
@@ -421,6 +368,7 @@ def run(setup: Setup, out: str, plots: bool = True) -> dict:
     "branches": list(setup.branches),
     "device": setup.device,
     "piper_budget": setup.piper_budget,
+    "memory_shares": list(setup.memory_shares),
     "batch_size": "graphpipe.models.default_batch_size",
   }
   results["run_time_s"] = time.perf_counter() - start

@@ -208,8 +208,21 @@ def draw(results, out: str) -> list[str]:
       width=0.4,
       label="time alone",
     )
+    memory = results["per_stage"].get("memory_rows", [])
+    after = range(len(rows), len(rows) + len(memory))
+    axes.bar(
+      list(after),
+      [r["speedup_time_only"] for r in memory],
+      width=0.4,
+      label="time alone, memory x share",
+    )
     axes.set_xticks(
-      list(at), [f"{r['model']}\n{r['num_devices']}" for r in rows]
+      [*at, *after],
+      [f"{r['model']}\n{r['num_devices']}" for r in rows]
+      + [
+        f"{r['model']}\n{r['num_devices']}\nx{r['memory_share']}"
+        for r in memory
+      ],
     )
     axes.legend(fontsize=7)
     axes.axhline(1.0, color="grey", linewidth=0.8)

@@ -47,6 +47,7 @@ def results(tmp_path_factory):
     sweep_devices=4,
     branches=(2,),
     piper_budget=5_000,
+    memory_shares=(0.25,),
     graphs=graphs,
   )
   return reproduce.run(setup, str(out)), out
@@ -130,3 +131,11 @@ def test_per_stage_sizes_are_reported_with_and_without_the_padding_trade(
   text = (out / "REPRODUCTION.md").read_text()
   assert "Ours, by time alone:" in text
   assert f"{rows[0]['speedup_time_only']:.2f}x" in text
+  # Where memory binds: a share of the preset's memory, by time alone.
+  bound = found["per_stage"]["memory_rows"]
+  assert {r["memory_share"] for r in bound} == {0.25}
+  for r in bound:
+    assert r["speedup_time_only"] == pytest.approx(
+      r["per_stage_time_only"] / r["uniform_time_only"]
+    )
+  assert "Ours, where memory binds:" in text
