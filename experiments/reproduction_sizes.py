@@ -36,18 +36,7 @@ def per_stage(setup, names, through: dict, progress, run_planner, note) -> dict:
       progress.step("per-stage sizes: " + note(sized))
       # The same pair ranked by time alone (no padding trade): what
       # per-stage sizes are worth in throughput, unmixed with memory.
-      timed = {
-        key: run_planner(
-          setup,
-          setup.graph(name),
-          name,
-          devices,
-          "graphpipe",
-          per_stage_micro_batches=key == "per_stage",
-          padding_tolerance=0.0,
-        )
-        for key in ("uniform", "per_stage")
-      }
+      timed = _by_time_alone(setup, name, devices, run_planner)
       progress.step("per-stage sizes, time alone: " + note(timed["per_stage"]))
       if any("error" in r for r in (sized, *timed.values())):
         continue
@@ -84,19 +73,9 @@ def per_stage_memory(setup, names, progress, run_planner, note) -> list[dict]:
   out = []
   for name in names:
     for share in setup.memory_shares:
-      timed = {
-        key: run_planner(
-          setup,
-          setup.graph(name),
-          name,
-          devices,
-          "graphpipe",
-          per_stage_micro_batches=key == "per_stage",
-          padding_tolerance=0.0,
-          memory_bytes=share * memory,
-        )
-        for key in ("uniform", "per_stage")
-      }
+      timed = _by_time_alone(
+        setup, name, devices, run_planner, memory_bytes=share * memory
+      )
       progress.step(
         f"per-stage sizes, memory x {share}: " + note(timed["per_stage"])
       )
@@ -118,3 +97,21 @@ def per_stage_memory(setup, names, progress, run_planner, note) -> list[dict]:
         }
       )
   return out
+
+
+def _by_time_alone(setup, name, devices, run_planner, **options) -> dict:
+  """GraphPipe's rows with one size and per-stage sizes, ranked by time
+  alone (no padding trade), keyed 'uniform' and 'per_stage'."""
+  return {
+    key: run_planner(
+      setup,
+      setup.graph(name),
+      name,
+      devices,
+      "graphpipe",
+      per_stage_micro_batches=key == "per_stage",
+      padding_tolerance=0.0,
+      **options,
+    )
+    for key in ("uniform", "per_stage")
+  }
