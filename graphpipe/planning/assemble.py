@@ -1,7 +1,7 @@
 """From a partition to a `Plan`: spare devices, placement, stage edges.
 
   part = spend_spare_devices(graph, part, costs)  # unused devices, if useful
-  part = split_branches(graph, part, costs)  # or: grouped branches apart
+  apart = split_branches(graph, part, costs)  # GraphPipe: another candidate
   p = assemble(graph, part, costs, "graphpipe")  # place, order, in-flight
 
 `assemble` places stages on devices (`place_devices`), derives the stage
