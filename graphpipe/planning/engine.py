@@ -112,6 +112,7 @@ def run_search(
   fingerprint = graph_fingerprint(graph)
   timing = NodeTimes(cost_model)
   candidates: dict[Partition, tuple | None] = {}
+  split: set[Partition] = set()  # candidates of `split_branches`
 
   def evaluate(part: Partition) -> tuple | None:
     """(estimate, in flight at the source, -b, plan, its memory), None if
@@ -150,7 +151,9 @@ def run_search(
       if apart != part:
         # Grouped branches run apart on spare devices: a candidate beside
         # the one whose spare devices become replicas.
-        if evaluate(spend_spare_devices(graph, apart, costs)) is None:
+        spent = spend_spare_devices(graph, apart, costs)
+        split.update((spent, apart))
+        if evaluate(spent) is None:
           evaluate(apart)
       if part.schedule == "1f1b":
         spent = spend_spare_devices(graph, part, costs)
@@ -189,6 +192,15 @@ def run_search(
   for _, part in ranked:
     by_size.setdefault(part.micro_batch_size, part)
   starts = list(by_size.values())[:_REFINED]
+  # A split candidate's walk need not reach what the DP's own plan of the
+  # same size leads to: where one starts, the best unsplit plan does too.
+  for b in [p.micro_batch_size for p in starts if p in split]:
+    unsplit = next(
+      (p for _, p in ranked if p.micro_batch_size == b and p not in split),
+      None,
+    )
+    if unsplit is not None:
+      starts.append(unsplit)
   # Fewer sizes than starts (e.g. one size asked for): the next best plans
   # (of other estimates) start too.
   seen = {round(candidates[p][0], 12) for p in starts}
