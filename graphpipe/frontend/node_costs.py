@@ -10,6 +10,11 @@ runtime stashes (`kept_bytes`) are the residuals of the same VJP under
 the runtime's checkpoint policy (`save_products`: matrix products'
 outputs, and the inputs the backward recomputes from).
 
+Measurements are kept for the life of the process, keyed by the node's
+jaxpr text (its equations and every shape and dtype): a model captured
+again (another test, a notebook cell re-run, a sweep over device counts)
+compiles nothing new.
+
 Figures are measured at two batch sizes and split into a per-sample slope
 and a batch-independent remainder, so no axis has to be guessed as the
 batch axis.
@@ -35,6 +40,9 @@ FIELDS = (
 # Residual figures: their batch-independent part is weights (or derived
 # from them), held once by the stage, not once per stashed micro-batch.
 RESIDUALS = ("saved_bytes", "kept_bytes")
+# Figures by jaxpr text (see the module docstring); at most this many.
+_MEASURED: dict[str, dict[str, float]] = {}
+_MEASURED_MAX = 4096
 
 
 def save_products(primitive, *_, **__) -> bool:
@@ -134,14 +142,15 @@ def per_sample(
 ) -> list[tuple[dict[str, float], dict[str, float]]]:
   """(per-sample, fixed) figures of every node from two batch sizes."""
   db = large.batch_size - small.batch_size
-  # Repeated layers print to the same jaxpr: measure each kind once.
-  cache = {}
 
   def figures(node):
+    # Repeated layers print to the same jaxpr: measure each kind once.
     key = str(node.jaxpr)
-    if key not in cache:
-      cache[key] = node_figures(node)
-    return cache[key]
+    if key not in _MEASURED:
+      if len(_MEASURED) >= _MEASURED_MAX:
+        _MEASURED.pop(next(iter(_MEASURED)))
+      _MEASURED[key] = node_figures(node)
+    return dict(_MEASURED[key])
 
   out = []
   for a_node, b_node in zip(small.nodes, large.nodes, strict=True):

@@ -150,6 +150,23 @@ def test_costs_are_per_sample_and_match_xla(model):
   assert graph.edge(block.id, graph.node_by_name("left.1").id).bytes == 24
 
 
+def test_a_model_captured_again_compiles_nothing(model, monkeypatch):
+  from graphpipe.frontend import node_costs
+
+  batch = make_batch(n=8)
+  first = graphpipe.capture(xent, model, batch, granularity=1)
+
+  def compiles(*_):
+    raise AssertionError("measured again")
+
+  monkeypatch.setattr(node_costs, "node_figures", compiles)
+  again = graphpipe.capture(xent, model, batch, granularity=1)
+  assert again.nodes == first.nodes and again.edges == first.edges
+  # Another shape is another program: measured, not looked up.
+  with pytest.raises(AssertionError, match="measured again"):
+    graphpipe.capture(xent, model, make_batch(n=4), granularity=1)
+
+
 def test_nnx_and_linen_graphs_have_the_same_shape():
   batch = make_batch()
   nnx_graph = graphpipe.capture(
