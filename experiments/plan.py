@@ -80,7 +80,7 @@ def run(
     out: the output folder (created).
     plots: draw schedule.png (skipped with a note without matplotlib).
     profiled: time the nodes on this machine's device.
-    padding_tolerance: `graphpipe.plan`'s (None: its default, 0.02).
+    padding_tolerance: `graphpipe.plan`'s (None: its default, 0.015).
     max_padding: `graphpipe.plan`'s hard limit on the padding fraction
       (None: no limit).
 

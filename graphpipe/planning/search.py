@@ -80,8 +80,8 @@ def plan(
     Plan[graphpipe] 3 stages, depth 2, b=4 x 2 micro-batches, 8 devices,
     schedule 1f1b
       stage 0: nodes [0, 1, 2] on devices [4, 5], b=4, in flight 2
-      stage 1: nodes [4, 5, 6] on devices [6, 7], b=4, in flight 2
-      stage 2: nodes [3, 7, 8] on devices [0, 1, 2, 3], b=4, in flight 1
+      stage 1: nodes [4, 5, 6, 7] on devices [0, 1, 2, 3], b=4, in flight 2
+      stage 2: nodes [3, 8] on devices [6, 7], b=4, in flight 1
       edges: [(0, 2), (1, 2)]
     >>> [len(s.nodes) for s in plan(graph, 8, 8, planner="sequential").stages]
     [4, 5]
@@ -113,7 +113,7 @@ def plan(
       each device, `graphpipe.core.memory.plan_memory`).
     padding_tolerance: how much slower (a share of the fastest simulated
       plan's time) a plan whose devices hold less padding may be and still
-      win; default `graphpipe.planning.engine.PADDING_TOLERANCE` (0.02).
+      win; default `graphpipe.planning.engine.PADDING_TOLERANCE` (0.015).
       0 ranks by time alone.
     max_padding: a hard limit on the plan's `padding_fraction` (parameter
       and optimizer bytes devices hold beyond their own stage's, a share of

@@ -246,10 +246,10 @@ def estimate_iteration_time(
     >>> p = graphpipe.plan(graph, num_devices=8, batch_size=8)
     >>> v100 = AnalyticCostModel(device_spec("v100"))
     >>> round(estimate_iteration_time(p, graph, v100) * 1e3, 2)   # ms
-    28.98
+    28.45
     >>> report = graphpipe.simulate(p, graph, v100)   # the events agree
     >>> round(report.iteration_time_s * 1e3, 2)
-    28.98
+    28.45
 
   Args:
     p: the plan.

@@ -30,10 +30,10 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
     >>> check_plan(p, graph, memory_bytes=0.1 * 2**30)    # 0.1 GiB
     Traceback (most recent call last):
     ...
-    graphpipe.errors.PlanError: invalid plan: device 0 (stage 2) holds 1.73
-    GiB: gradients 0.563 GiB, work 0.551 GiB, optimizer 0.282 GiB, stashes
-    0.176 GiB, parameters 0.141 GiB, channels 0.0117 GiB, batch 0.00391 GiB,
-    over 0.1 GiB
+    graphpipe.errors.PlanError: invalid plan: device 0 (stage 1) holds 2.18
+    GiB: gradients 0.751 GiB, work 0.645 GiB, optimizer 0.375 GiB,
+    parameters 0.188 GiB, stashes 0.184 GiB, channels 0.0352 GiB, batch
+    0.00391 GiB, over 0.1 GiB
 
   Args:
     p: the plan.
