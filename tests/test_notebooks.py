@@ -3,10 +3,11 @@
 Every notebook in `notebooks/` is executed with nbclient in a fresh kernel
 (the `test` extra brings nbclient, nbformat and ipykernel), working in a
 temporary folder, importing this checkout's packages. The kernel gets no
-device flags from the test run (`XLA_FLAGS`, `JAX_PLATFORMS` removed):
-each notebook must set up its simulated CPU devices itself, as it would
-for a user. Stored notebooks carry no outputs and no execution counts, so
-their diffs stay readable (`jupyter nbconvert --clear-output --inplace`
+device flags from the test run (the device count taken out of
+`XLA_FLAGS`, `JAX_PLATFORMS` removed; `tests.child_env`): each notebook
+must set up its simulated CPU devices itself, as it would for a user.
+Stored notebooks carry no outputs and no execution counts, so their diffs
+stay readable (`jupyter nbconvert --clear-output --inplace`
 strips them).
 """
 
@@ -16,6 +17,8 @@ import pathlib
 import nbclient
 import nbformat
 import pytest
+
+from tests.child_env import xla_flags_without_device_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -48,7 +51,11 @@ def test_notebook_is_stored_without_outputs(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom(path, tmp_path, monkeypatch):
   notebook = nbformat.read(path, as_version=4)
-  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  flags = xla_flags_without_device_count()
+  if flags:
+    monkeypatch.setenv("XLA_FLAGS", flags)
+  else:
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
   monkeypatch.delenv("JAX_PLATFORMS", raising=False)
   paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from tests.child_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 ROW_KEYS = {
   "model",
@@ -25,8 +27,7 @@ ROW_KEYS = {
 
 
 def test_bench_overhead_smoke(tmp_path):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # one device per process, as the bench wants
+  env = child_env()  # one device per process, as the bench wants
   out = subprocess.run(
     [
       sys.executable,

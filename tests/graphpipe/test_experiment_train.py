@@ -8,12 +8,13 @@ import sys
 
 import pytest
 
+from tests.child_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
 def run(args, tmp_path):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the experiments set their own device count
+  env = child_env()  # the experiments set their own device count
   out = subprocess.run(
     [sys.executable, "-m", *args, f"--out={tmp_path}"],
     cwd=ROOT,

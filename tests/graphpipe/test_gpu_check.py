@@ -10,6 +10,7 @@ import pytest
 
 from experiments import gpu_check
 from graphpipe.errors import CostModelError
+from tests.child_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -29,8 +30,7 @@ def test_node_ids_spread_over_the_graph():
 
 
 def test_gpu_check_smoke(tmp_path):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # one CPU device, as on a one-GPU machine
+  env = child_env()  # one CPU device, as on a one-GPU machine
   env["JAX_PLATFORMS"] = "cpu"
   out = subprocess.run(
     [sys.executable, "-m", "experiments.gpu_check", "--smoke"]
