@@ -161,7 +161,15 @@ def split_branches(
   if spare <= 0 or part.chain or part.sizes:
     return part
   b = part.micro_batch_size
-  parts = [_independent_parts(graph, nodes) for nodes, _ in part.stages]
+  # A stage's independent parts: the weakly connected components of the
+  # operator edges inside it.
+  neighbours = sp.adjacency(
+    len(graph.nodes), ((e.src, e.dst) for e in graph.edges)
+  )
+  parts = [
+    [tuple(c) for c in sp.components(sorted(nodes), neighbours)]
+    for nodes, _ in part.stages
+  ]
   busiest = sorted(
     range(len(part.stages)),
     key=lambda i: (
@@ -182,28 +190,6 @@ def split_branches(
     pieces = parts[i] if i in split else [nodes]
     stages += [(piece, k) for piece in pieces]
   return dataclasses.replace(part, stages=tuple(stages))
-
-
-def _independent_parts(graph: OpGraph, nodes) -> list[tuple[int, ...]]:
-  """`nodes` split into the parts that no operator edge joins (weakly
-  connected components of the induced subgraph), each sorted, in order of
-  their first node."""
-  inside = set(nodes)
-  root = {v: v for v in nodes}
-
-  def find(v):
-    while root[v] != v:
-      root[v] = root[root[v]]
-      v = root[v]
-    return v
-
-  for e in graph.edges:
-    if e.src in inside and e.dst in inside:
-      root[find(e.src)] = find(e.dst)
-  groups: dict[int, list[int]] = {}
-  for v in sorted(nodes):
-    groups.setdefault(find(v), []).append(v)
-  return sorted((tuple(g) for g in groups.values()), key=lambda g: g[0])
 
 
 def assemble(

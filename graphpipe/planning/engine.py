@@ -31,12 +31,7 @@ from graphpipe.planning.candidates import Partition
 from graphpipe.planning.graphpipe_dp import GraphPipePartitioner
 from graphpipe.planning.micro_batches import grow_micro_batches
 from graphpipe.planning.piper import PIPER_BUDGET, PiperPartitioner
-from graphpipe.planning.refine import (
-  BEAM,
-  FEW_MICRO_BATCHES,
-  WIDE_BEAM,
-  refine,
-)
+from graphpipe.planning.refine import refine
 from graphpipe.planning.stage_costs import (
   NodeTimes,
   StageCosts,
@@ -229,9 +224,7 @@ def run_search(
       lambda nodes, k, b=part.micro_batch_size: costs.microbatch_time(
         nodes, b, k
       ),
-      beam=WIDE_BEAM
-      if batch_size // part.micro_batch_size <= FEW_MICRO_BATCHES
-      else BEAM,
+      micro_batches=batch_size // part.micro_batch_size,
     )
     if per_stage:
       # Per-stage sizes (GraphPipe's extension): grow them from the

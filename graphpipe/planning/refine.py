@@ -40,15 +40,15 @@ DEFAULT_BUDGET = 400
 # Beam search: the best few neighbours of the beam form the next beam, so
 # the walk crosses a few worse plans to a better one; it stops when the
 # best plan found has not improved for a few rounds.
-BEAM = 4
+_BEAM = 4
 # With few micro-batches per iteration the bottleneck the DPs minimise says
 # little (fill, drain and the last optimizer step are most of the
 # iteration) and the local search does most of the work: it looks wider
 # (a beam of 4 missed plans 3-21% faster on 2 of 2,100 random graphs of
 # 3-8 nodes, one micro-batch each; 8 everywhere made planning small
 # graphs 1.5x slower).
-WIDE_BEAM = 8
-FEW_MICRO_BATCHES = 2
+_WIDE_BEAM = 8
+_FEW_MICRO_BATCHES = 2
 _PATIENCE = 3
 
 
@@ -133,7 +133,7 @@ def refine(
   evaluate: Callable[[Partition], float | None],
   busy: Callable[[tuple[int, ...], int], float],
   budget: int = DEFAULT_BUDGET,
-  beam: int = BEAM,
+  micro_batches: int | None = None,
 ) -> Partition:
   """The best partition the beam search from `part` finds (module
   docstring); `part` itself when nothing better turns up.
@@ -168,8 +168,8 @@ def refine(
     busy: a stage's busy time per micro-batch from its nodes and replica
       count (devices move to the busiest stages).
     budget: evaluations at most.
-    beam: plans the walk keeps each round (`WIDE_BEAM` where there are
-      few micro-batches: `graphpipe.planning.engine.run_search`).
+    micro_batches: micro-batches per iteration (None: many): at most
+      `_FEW_MICRO_BATCHES`, the walk keeps `_WIDE_BEAM` plans a round.
   """
   if part.sizes:
     return part  # moves would have to carry sizes along: not searched
@@ -210,7 +210,9 @@ def refine(
     return out
 
   best = (current, state)
-  width = beam
+  width = _BEAM
+  if micro_batches is not None and micro_batches <= _FEW_MICRO_BATCHES:
+    width = _WIDE_BEAM
   beam, expanded, stale = [state], set(), 0
   while beam and stale < _PATIENCE and len(seen) < budget:
     pool: dict[Partition, tuple[float, _State]] = {}

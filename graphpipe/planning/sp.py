@@ -261,11 +261,47 @@ def decompose(dag: Dag) -> SPTree:
       )
   descendants = _reachability(n, dag.edges, reverse=False)
   ancestors = _reachability(n, dag.edges, reverse=True)
+  neighbours = adjacency(n, dag.edges)
+  return _Decomposer(ancestors, descendants, neighbours).split(list(range(n)))
+
+
+def adjacency(n: int, edges: Iterable[tuple[int, int]]) -> list[int]:
+  """Per vertex of `n`, the bitmask of the vertices an edge joins it to
+  (in either direction)."""
   neighbours = [0] * n
-  for a, b in dag.edges:
+  for a, b in edges:
     neighbours[a] |= 1 << b
     neighbours[b] |= 1 << a
-  return _Decomposer(ancestors, descendants, neighbours).split(list(range(n)))
+  return neighbours
+
+
+def components(
+  vertices: Sequence[int], neighbours: Sequence[int]
+) -> list[list[int]]:
+  """The weakly connected components of the subgraph `vertices` induce
+  (`neighbours` from `adjacency`), each sorted, in order of their first
+  vertex in `vertices`.
+
+  Example:
+    >>> components([0, 1, 2, 3], adjacency(4, [(0, 2), (1, 3)]))
+    [[0, 2], [1, 3]]
+  """
+  inside = _mask(vertices)
+  seen = 0
+  out = []
+  for v in vertices:
+    if (seen >> v) & 1:
+      continue
+    comp, frontier = 1 << v, 1 << v
+    while frontier:
+      nxt = 0
+      for w in _bits(frontier):
+        nxt |= neighbours[w] & inside
+      frontier = nxt & ~comp
+      comp |= nxt
+    seen |= comp
+    out.append(sorted(_bits(comp)))
+  return out
 
 
 class _Decomposer:
@@ -279,9 +315,9 @@ class _Decomposer:
   def split(self, vertices: list[int]) -> SPTree:
     if len(vertices) == 1:
       return SPTree("leaf", vertex=vertices[0], vertices=tuple(vertices))
-    components = self._components(vertices)
-    if len(components) > 1:
-      return _make("parallel", [self.split(c) for c in components])
+    parts = components(vertices, self.neighbours)
+    if len(parts) > 1:
+      return _make("parallel", [self.split(c) for c in parts])
     cuts = self._series_cuts(vertices)
     if cuts:
       bounds = [0, *cuts, len(vertices)]
@@ -290,24 +326,6 @@ class _Decomposer:
     prefix, missing = self._best_forced_cut(vertices)
     rest = [v for v in vertices if v not in set(prefix)]
     return _make("series", [self.split(prefix), self.split(rest)], missing)
-
-  def _components(self, vertices: list[int]) -> list[list[int]]:
-    inside = _mask(vertices)
-    seen = 0
-    components = []
-    for v in vertices:
-      if (seen >> v) & 1:
-        continue
-      comp, frontier = 1 << v, 1 << v
-      while frontier:
-        nxt = 0
-        for w in _bits(frontier):
-          nxt |= self.neighbours[w] & inside
-        frontier = nxt & ~comp
-        comp |= nxt
-      seen |= comp
-      components.append(sorted(_bits(comp)))
-    return components
 
   def _missing(self, prefix_mask: int, suffix: Sequence[int]) -> int:
     """Ancestor relations prefix -> suffix that the graph does not have."""
