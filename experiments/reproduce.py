@@ -27,7 +27,7 @@ DIR/REPRODUCTION.md beside the paper's numbers:
                 4, 8 and 16 devices
 
 The report's text is generated from the numbers (`experiments.
-reproduction_report`), so it never goes stale. About 6 minutes on the
+reproduction_report`), so it never goes stale. About 5 minutes on the
 2-core development machine.
 """
 

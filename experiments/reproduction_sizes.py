@@ -40,7 +40,6 @@ def per_stage(setup, names, through: dict, progress, run_planner, note) -> dict:
       progress.step("per-stage sizes, time alone: " + note(timed["per_stage"]))
       if any("error" in r for r in (sized, *timed.values())):
         continue
-      speed = {k: r["throughput_samples_per_s"] for k, r in timed.items()}
       out.append(
         {
           "model": name,
@@ -50,12 +49,7 @@ def per_stage(setup, names, through: dict, progress, run_planner, note) -> dict:
           "micro_batch_sizes": sorted(set(sized["micro_batch_sizes"])),
           "speedup": sized["throughput_samples_per_s"]
           / uniform["throughput_samples_per_s"],
-          "uniform_time_only": speed["uniform"],
-          "per_stage_time_only": speed["per_stage"],
-          "micro_batch_sizes_time_only": sorted(
-            set(timed["per_stage"]["micro_batch_sizes"])
-          ),
-          "speedup_time_only": speed["per_stage"] / speed["uniform"],
+          **_time_alone_fields(timed),
         }
       )
   memory = per_stage_memory(setup, names, progress, run_planner, note)
@@ -81,19 +75,13 @@ def per_stage_memory(setup, names, progress, run_planner, note) -> list[dict]:
       )
       if any("error" in r for r in timed.values()):
         continue
-      speed = {k: r["throughput_samples_per_s"] for k, r in timed.items()}
       out.append(
         {
           "model": name,
           "num_devices": devices,
           "memory_share": share,
           "memory_bytes": share * memory,
-          "uniform_time_only": speed["uniform"],
-          "per_stage_time_only": speed["per_stage"],
-          "micro_batch_sizes_time_only": sorted(
-            set(timed["per_stage"]["micro_batch_sizes"])
-          ),
-          "speedup_time_only": speed["per_stage"] / speed["uniform"],
+          **_time_alone_fields(timed),
         }
       )
   return out
@@ -114,4 +102,17 @@ def _by_time_alone(setup, name, devices, run_planner, **options) -> dict:
       **options,
     )
     for key in ("uniform", "per_stage")
+  }
+
+
+def _time_alone_fields(timed: dict) -> dict:
+  """A row's '*_time_only' entries from `_by_time_alone`'s pair."""
+  speed = {k: r["throughput_samples_per_s"] for k, r in timed.items()}
+  return {
+    "uniform_time_only": speed["uniform"],
+    "per_stage_time_only": speed["per_stage"],
+    "micro_batch_sizes_time_only": sorted(
+      set(timed["per_stage"]["micro_batch_sizes"])
+    ),
+    "speedup_time_only": speed["per_stage"] / speed["uniform"],
   }
