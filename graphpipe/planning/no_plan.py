@@ -107,16 +107,29 @@ def no_plan_error(
       f" (more devices cannot help: node {heaviest!r} alone makes every "
       f"device of any plan hold at least {floor / gib:.3g} GiB, {slots})"
     )
+  budget_text, high_text = _distinct_gib(memory, high)
   return PlanError(
     f"no {planner} plan for {graph.model or 'the graph'} fits "
-    f"{memory / gib:.3g} GiB{counted} per device on {devices} devices "
+    f"{budget_text} GiB{counted} per device on {devices} devices "
     f"(batch {batch}, micro-batches {sizes}): the smallest per-device "
-    f"memory that fits is about {high / gib:.3g} GiB; raise memory_bytes "
+    f"memory that fits is about {high_text} GiB; raise memory_bytes "
     f"or pick a device with more memory{hint}. Without a limit, "
     + over_budget_message(
       graph, unlimited, plan_memory(graph, unlimited), memory
     )
   )
+
+
+def _distinct_gib(budget: float, fits: float) -> tuple[str, str]:
+  """Both amounts in GiB to 3 significant digits, or as many more as it
+  takes to tell them apart (a memory that fits lies just over a budget
+  that does not: "fits 0.123 GiB ... the smallest that fits is about 0.123
+  GiB" would name the budget itself)."""
+  for digits in range(3, 10):
+    a, b = (f"{x / 2**30:.{digits}g}" for x in (budget, fits))
+    if a != b:
+      break
+  return a, b
 
 
 def _peak_memory(p: Plan, graph: OpGraph, kinds=KINDS) -> float:

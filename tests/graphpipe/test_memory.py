@@ -14,8 +14,9 @@ import optax
 import pytest
 
 import graphpipe
-from graphpipe import PlanError, Trainer
+from graphpipe import PlanError, Trainer, costs
 from graphpipe.core.channels import plan_channels
+from graphpipe.core.graph import Edge, OpGraph
 from graphpipe.core.memory import (
   KINDS,
   MODEL_KINDS,
@@ -26,6 +27,9 @@ from graphpipe.core.memory import (
 )
 from graphpipe.planning import engine
 from tests.graphpipe import runtime_cases as rc
+from tests.graphpipe.random_graphs import node_of
+
+V100 = costs.AnalyticCostModel(costs.device_spec("v100"))
 
 MIB = 2**20
 
@@ -205,3 +209,34 @@ def test_the_padding_trade_costs_at_most_its_tolerance():
   assert 0 < slower <= engine.PADDING_TOLERANCE
   # Padding falls by more than the time grows.
   assert padding[0] - padding[1] > slower
+
+
+def test_the_memory_the_error_names_is_over_the_budget_as_printed():
+  # Found by the random-graph test (explore profile): a budget 0.2% under
+  # the smallest memory that fits printed as "fits 0.123 GiB ... the
+  # smallest per-device memory that fits is about 0.123 GiB". Both are now
+  # printed with the digits it takes to tell them apart.
+  widths = (256, 256, 1024, 256, 256, 1024, 64)
+  nodes = [node_of(i, "params", w, 1.0) for i, w in enumerate(widths)]
+  pairs = [(0, 1), (0, 2), (1, 2), (1, 3), (1, 4), (4, 5)]
+  edges = [Edge(a, b, nodes[a].activation_bytes) for a, b in pairs]
+  graph = OpGraph(nodes, edges, loss_nodes=[2, 3, 5, 6], model="random")
+  budget = 132_359_806.0
+  with pytest.raises(PlanError, match="smallest per-device memory") as info:
+    graphpipe.plan(
+      graph,
+      2,
+      4,
+      micro_batch_sizes=[1],
+      memory_bytes=budget,
+      cost_model=V100,
+    )
+  text = str(info.value)
+  stated = float(text.split(" fits ")[1].split(" GiB")[0]) * 2**30
+  named = float(text.split("fits is about ")[1].split(" GiB")[0]) * 2**30
+  assert stated != named
+  assert budget < named < 1.01 * budget
+  chosen = graphpipe.plan(
+    graph, 2, 4, micro_batch_sizes=[1], memory_bytes=named, cost_model=V100
+  )
+  assert plan_memory(graph, chosen).largest <= named
