@@ -297,6 +297,14 @@ def case_study(setup: Setup, progress) -> dict:
       "depth": p.depth,
       "num_stages": p.num_stages,
       "micro_batch_size": p.micro_batch_size,
+      "micro_batches": p.batch_size // p.micro_batch_size,
+      # The whole model's forward and backward per sample, one device.
+      "per_sample_s": sum(
+        model.node_time(n, p.micro_batch_size, part)
+        for n in graph.nodes
+        for part in ("fwd", "bwd")
+      )
+      / p.micro_batch_size,
       "throughput_samples_per_s": simulate(
         p, graph, model
       ).throughput_samples_per_s,

@@ -8,6 +8,7 @@ are those of ../shared/PAPERS.md (GraphPipe, Jeon et al., ASPLOS 2025).
 from __future__ import annotations
 
 from experiments.paper import PAPER
+from experiments.reproduction_case import case_section
 from experiments.reproduction_extras import (
   per_stage_section,
   pipedream_section,
@@ -365,63 +366,6 @@ def search_section(results) -> list[str]:
     + ". Piper gives up when it has priced its budget of "
     f"{results['config']['piper_budget']:,} stages (down-set pairs)."
   )
-  return lines
-
-
-def case_section(results) -> list[str]:
-  data = results["case_study"]
-  paper = PAPER["case_study"]
-  lines = [
-    "## Case study: two-branch transformer, 8 devices, batch 8 "
-    "(`case_study`, case_study.png)",
-    "",
-    f"Paper: {paper['claim']}.",
-    "",
-    "| plan | stages | depth | micro-batch | samples/s |",
-    "|---|---|---|---|---|",
-  ]
-  for r in data["rows"]:
-    if "error" in r:
-      lines.append(f"| {r['planner']} (ours) | no plan | | | |")
-      continue
-    lines.append(
-      f"| {r['planner']} (ours) | {r['num_stages']} | {r['depth']} | "
-      f"{r['micro_batch_size']} | {r['throughput_samples_per_s']:.4g} |"
-    )
-  for kind, r in data["paper_plans"].items():
-    lines.append(
-      f"| the paper's {kind} plan | {r['num_stages']} | {r['depth']} | "
-      f"{r['micro_batch_size']} | {r['throughput_samples_per_s']:.4g} |"
-    )
-  lines.append("")
-  entry = data["speedup"][0] if data["speedup"] else {}
-  ours = entry.get("graphpipe_over_sequential")
-  plans = data["paper_plans"]
-  theirs = (
-    plans["graphpipe"]["throughput_samples_per_s"]
-    / plans["sequential"]["throughput_samples_per_s"]
-  )
-  lines.append(
-    f"Ours: GraphPipe {_ratio(ours)} over sequential against the paper's "
-    f"{paper['speedup']:.2f}x; the paper's two plans, timed in our cost "
-    f"model, give {theirs:.2f}x."
-  )
-  graph_row = next(
-    (
-      r
-      for r in data["rows"]
-      if r["planner"] == "graphpipe" and "error" not in r
-    ),
-    None,
-  )
-  if graph_row and graph_row["num_stages"] != paper["num_stages"]:
-    lines.append(
-      f"GraphPipe's planner picks {graph_row['num_stages']} stages of depth "
-      f"{graph_row['depth']} (data-parallel stages) because the simulator "
-      "rates it faster than one block per device; the paper's depth 4 is "
-      "our depth 5, since we count the stage the head shares with a "
-      "branch on the longest path."
-    )
   return lines
 
 
