@@ -118,6 +118,10 @@ class _State:
   masks: list[int]
   counts: list[int]
 
+  def key(self) -> tuple:
+    """What identifies the partition, without building it."""
+    return tuple(self.masks), tuple(self.counts)
+
   def partition(self, like: Partition) -> Partition:
     stages = tuple(
       (tuple(_bits(mask)), k)
@@ -180,13 +184,13 @@ def refine(
     return busy(tuple(_bits(mask)), k)
 
   divisors = [k for k in range(1, num_devices + 1) if b % k == 0]
-  seen: dict[Partition, float | None] = {}
+  seen: dict[tuple, float | None] = {}  # by `_State.key`
 
   def score(state: _State) -> float | None:
-    candidate = state.partition(part)
-    if candidate not in seen:
-      seen[candidate] = evaluate(candidate)
-    return seen[candidate]
+    key = state.key()
+    if key not in seen:
+      seen[key] = evaluate(state.partition(part))
+    return seen[key]
 
   state = _State(
     [_mask(nodes) for nodes, _ in part.stages], [k for _, k in part.stages]
@@ -215,11 +219,11 @@ def refine(
     width = _WIDE_BEAM
   beam, expanded, stale = [state], set(), 0
   while beam and stale < _PATIENCE and len(seen) < budget:
-    pool: dict[Partition, tuple[float, _State]] = {}
+    pool: dict[tuple, tuple[float, _State]] = {}
     for member in beam:
-      expanded.add(member.partition(part))
+      expanded.add(member.key())
       for value, move in neighbours(member):
-        key = move.partition(part)
+        key = move.key()
         if key not in expanded:
           pool[key] = (value, move)
     beam = [
