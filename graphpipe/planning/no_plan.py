@@ -69,7 +69,6 @@ def no_plan_error(
   """Says what memory (or how many devices) would have allowed a plan;
   `unlimited` is the plan searched without a memory limit (or None); the
   budget bounds the memory `kinds` (`graphpipe.core.memory.KINDS`)."""
-  gib = 2**30
   if unlimited is None:
     return PlanError(
       f"no {planner} plan exists for {devices} devices even without a "
@@ -97,6 +96,8 @@ def no_plan_error(
       more = more_devices
   hint = f", or use at least {more} devices" if more else ""
   counted = "" if set(kinds) == set(KINDS) else f" of {', '.join(kinds)}"
+  over = [floor] if floor > memory else []
+  budget_text, high_text, *floor_text = _distinct_gib(memory, high, *over)
   if floor > memory:
     slots = (
       "parameter, gradient, optimizer and working-gradient slots of its size"
@@ -105,9 +106,8 @@ def no_plan_error(
     )
     hint = (
       f" (more devices cannot help: node {heaviest!r} alone makes every "
-      f"device of any plan hold at least {floor / gib:.3g} GiB, {slots})"
+      f"device of any plan hold at least {floor_text[0]} GiB, {slots})"
     )
-  budget_text, high_text = _distinct_gib(memory, high)
   return PlanError(
     f"no {planner} plan for {graph.model or 'the graph'} fits "
     f"{budget_text} GiB{counted} per device on {devices} devices "
@@ -120,16 +120,16 @@ def no_plan_error(
   )
 
 
-def _distinct_gib(budget: float, fits: float) -> tuple[str, str]:
-  """Both amounts in GiB to 3 significant digits, or as many more as it
-  takes to tell them apart (a memory that fits lies just over a budget
-  that does not: "fits 0.123 GiB ... the smallest that fits is about 0.123
-  GiB" would name the budget itself)."""
+def _distinct_gib(budget: float, *amounts: float) -> list[str]:
+  """The budget and `amounts` (each over it) in GiB to 3 significant
+  digits, or as many more as it takes to tell each from the budget (a
+  memory just over a budget that does not fit: "fits 0.123 GiB ... the
+  smallest that fits is about 0.123 GiB" would name the budget itself)."""
   for digits in range(3, 10):
-    a, b = (f"{x / 2**30:.{digits}g}" for x in (budget, fits))
-    if a != b:
+    texts = [f"{x / 2**30:.{digits}g}" for x in (budget, *amounts)]
+    if texts[0] not in texts[1:]:
       break
-  return a, b
+  return texts
 
 
 def _peak_memory(p: Plan, graph: OpGraph, kinds=KINDS) -> float:

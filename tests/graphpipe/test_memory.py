@@ -129,6 +129,13 @@ def test_no_plan_error_says_when_more_devices_cannot_help():
     graphpipe.plan(graph, 4, 16, memory_bytes=0.9 * floor)
   assert repr(heaviest) in str(info.value)
   assert "use at least" not in str(info.value)
+  # Just under the floor, the floor is printed as more than the budget.
+  with pytest.raises(PlanError, match="more devices cannot help") as info:
+    graphpipe.plan(graph, 4, 16, memory_bytes=0.9999 * floor)
+  text = str(info.value)
+  stated = float(text.split(" fits ")[1].split(" GiB")[0])
+  named = float(text.split("hold at least ")[1].split(" GiB")[0])
+  assert stated < named
 
 
 def test_no_plan_error_counts_the_kinds_the_budget_bounds():
