@@ -444,7 +444,15 @@ def over_budget_message(graph, plan, report, memory_bytes) -> str:
       "a smaller micro-batch (stashes and working memory shrink with it)"
     )
   del kinds
+  budget = _gib(memory_bytes)
+  excess = report.totals[device] - memory_bytes
+  if budget == _gib(report.totals[device]):
+    # Over by under 0.5%: both print alike, so say by how much.
+    big = excess >= 2**20
+    budget += (
+      f" (by {excess / 2**20:.3g} MiB)" if big else f" (by {excess:,.0f} B)"
+    )
   return (
-    f"{report.describe(device)}, over the budget of {_gib(memory_bytes)} "
+    f"{report.describe(device)}, over the budget of {budget} "
     f"per device; try {'; or '.join(hints)}"
   )

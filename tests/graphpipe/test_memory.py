@@ -109,6 +109,8 @@ def test_planner_refuses_plans_whose_padded_figure_is_over_budget():
   message = str(info.value)
   assert "device" in message and "parameters" in message
   assert "more devices" in message and "recompute=True" in message
+  # One byte over prints alike in GiB: the message says by how much.
+  assert "(by 1 B)" in message
   # The planner only returns plans that fit, by the same figure.
   for budget in (need, 1.01 * need):
     chosen = graphpipe.plan(graph, 4, 16, memory_bytes=budget)
