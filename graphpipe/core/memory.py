@@ -444,15 +444,22 @@ def over_budget_message(graph, plan, report, memory_bytes) -> str:
       "a smaller micro-batch (stashes and working memory shrink with it)"
     )
   del kinds
-  budget = _gib(memory_bytes)
-  excess = report.totals[device] - memory_bytes
-  if budget == _gib(report.totals[device]):
-    # Over by under 0.5%: both print alike, so say by how much.
-    big = excess >= 2**20
-    budget += (
-      f" (by {excess / 2**20:.3g} MiB)" if big else f" (by {excess:,.0f} B)"
-    )
   return (
-    f"{report.describe(device)}, over the budget of {budget} "
-    f"per device; try {'; or '.join(hints)}"
+    f"{report.describe(device)}, "
+    f"{over_budget(report.totals[device], memory_bytes)} per device; try "
+    f"{'; or '.join(hints)}"
   )
+
+
+def over_budget(total: float, budget: float) -> str:
+  """'over the budget of X GiB', saying by how much where `total` and
+  `budget` print alike (over by under 0.5%)."""
+  text = _gib(budget)
+  if text == _gib(total):
+    excess = total - budget
+    text += (
+      f" (by {excess / 2**20:.3g} MiB)"
+      if excess >= 2**20
+      else f" (by {excess:,.0f} B)"
+    )
+  return f"over the budget of {text}"

@@ -7,7 +7,7 @@ the schedule, the simulator and the runtime rely on.
 from __future__ import annotations
 
 from graphpipe.core.graph import OpGraph
-from graphpipe.core.memory import plan_memory
+from graphpipe.core.memory import over_budget, plan_memory
 from graphpipe.core.stages import Plan, in_flight_counts
 from graphpipe.errors import PlanError
 
@@ -83,7 +83,7 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
     memory = plan_memory(graph, p)
     if memory.largest > memory_bytes:
       problems.append(
-        f"{memory.describe()}, over {memory_bytes / 2**30:.3g} GiB"
+        f"{memory.describe()}, {over_budget(memory.largest, memory_bytes)}"
       )
   if problems:
     raise PlanError("invalid plan: " + "; ".join(problems[:5]))

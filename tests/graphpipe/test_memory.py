@@ -111,6 +111,8 @@ def test_planner_refuses_plans_whose_padded_figure_is_over_budget():
   assert "more devices" in message and "recompute=True" in message
   # One byte over prints alike in GiB: the message says by how much.
   assert "(by 1 B)" in message
+  with pytest.raises(PlanError, match=re.escape("(by 1 B)")):
+    graphpipe.check_plan(plan, graph, need - 1)
   # The planner only returns plans that fit, by the same figure.
   for budget in (need, 1.01 * need):
     chosen = graphpipe.plan(graph, 4, 16, memory_bytes=budget)
