@@ -33,7 +33,7 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
     graphpipe.errors.PlanError: invalid plan: device 0 (stage 1) holds 2.18
     GiB: gradients 0.751 GiB, work 0.645 GiB, optimizer 0.375 GiB,
     parameters 0.188 GiB, stashes 0.184 GiB, channels 0.0352 GiB, batch
-    0.00391 GiB, over 0.1 GiB
+    0.00391 GiB, over the budget of 0.1 GiB
 
   Args:
     p: the plan.
