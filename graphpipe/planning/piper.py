@@ -39,6 +39,7 @@ import numpy as np
 
 from graphpipe.core.graph import OpGraph
 from graphpipe.errors import PlanError
+from graphpipe.planning.bitsets import bits
 from graphpipe.planning.candidates import Partition
 from graphpipe.planning.stage_costs import StageCosts
 
@@ -124,7 +125,7 @@ class _DownSetSolver:
   def options(self, stage: int) -> list[tuple[int, float, int]]:
     """(k, time per sample, in-flight capacity) of a stage that fits."""
     if stage not in self._options:
-      nodes = tuple(_bits(stage))
+      nodes = tuple(bits(stage))
       row = []
       for k in self.counts:
         cap = self.costs.in_flight_capacity(nodes, self.b, k)
@@ -144,7 +145,7 @@ class _DownSetSolver:
       # Reading the plan back prices no new stage: not counted.
       for stage, rest, option, cand in self._choices(ideal, count=False):
         if cand[after, k] == want:
-          stages.append((tuple(_bits(stage)), option[0]))
+          stages.append((tuple(bits(stage)), option[0]))
           ideal, after, k = rest, after + 1, k - option[0]
           break
     return stages[::-1]
@@ -196,7 +197,7 @@ class _DownSetSolver:
     growing: weights and stashes only grow with it)."""
     succ = self.owner.succ
     seen = set()
-    stack = [1 << v for v in _bits(ideal) if not succ[v] & ideal]
+    stack = [1 << v for v in bits(ideal) if not succ[v] & ideal]
     while stack:
       stage = stack.pop()
       if stage in seen:
@@ -206,14 +207,7 @@ class _DownSetSolver:
         continue
       yield stage
       rest = ideal & ~stage
-      for v in _bits(rest):
+      for v in bits(rest):
         # v may join when all its successors inside the ideal are in S.
         if not succ[v] & rest:
           stack.append(stage | 1 << v)
-
-
-def _bits(mask: int):
-  while mask:
-    low = mask & -mask
-    yield low.bit_length() - 1
-    mask ^= low

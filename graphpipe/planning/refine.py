@@ -32,6 +32,7 @@ import dataclasses
 from collections.abc import Callable
 
 from graphpipe.core.graph import OpGraph
+from graphpipe.planning.bitsets import bits, mask_of
 from graphpipe.planning.candidates import Partition
 
 # Plans evaluated per call at most: enough to walk a few dozen moves on
@@ -65,20 +66,20 @@ class _Reach:
     self.desc = [0] * n
     for v in reversed(range(n)):
       mask = self.succ[v]
-      for w in _bits(self.succ[v]):
+      for w in bits(self.succ[v]):
         mask |= self.desc[w]
       self.desc[v] = mask
     self.anc = [0] * n
     for v in range(n):
       mask = self.pred[v]
-      for u in _bits(self.pred[v]):
+      for u in bits(self.pred[v]):
         mask |= self.anc[u]
       self.anc[v] = mask
 
   def convex(self, mask: int) -> bool:
     """No path leaves the set and comes back."""
     below = above = 0
-    for v in _bits(mask):
+    for v in bits(mask):
       below |= self.desc[v]
       above |= self.anc[v]
     return not (below & above & ~mask)
@@ -88,7 +89,7 @@ class _Reach:
     reach = []
     for mask in masks:
       below = 0
-      for v in _bits(mask):
+      for v in bits(mask):
         below |= self.succ[v]
       reach.append(below & ~mask)
     edges = {
@@ -124,7 +125,7 @@ class _State:
 
   def partition(self, like: Partition) -> Partition:
     stages = tuple(
-      (tuple(_bits(mask)), k)
+      (tuple(bits(mask)), k)
       for mask, k in zip(self.masks, self.counts, strict=True)
     )
     return dataclasses.replace(like, stages=stages)
@@ -181,7 +182,7 @@ def refine(
   b = part.micro_batch_size
 
   def stage_busy(mask: int, k: int) -> float:
-    return busy(tuple(_bits(mask)), k)
+    return busy(tuple(bits(mask)), k)
 
   divisors = [k for k in range(1, num_devices + 1) if b % k == 0]
   seen: dict[tuple, float | None] = {}  # by `_State.key`
@@ -193,7 +194,7 @@ def refine(
     return seen[key]
 
   state = _State(
-    [_mask(nodes) for nodes, _ in part.stages], [k for _, k in part.stages]
+    [mask_of(nodes) for nodes, _ in part.stages], [k for _, k in part.stages]
   )
   current = score(state)
   if current is None:
@@ -250,7 +251,7 @@ def _moves(state: _State, reach: _Reach, chain: bool, divisors, devices, busy):
     pairs = []
     for i in stages:
       below = 0
-      for v in _bits(masks[i]):
+      for v in bits(masks[i]):
         below |= reach.succ[v]
       pairs += [(i, j) for j in stages if j != i and below & masks[j]]
     # A node may join any stage that stays convex (and the stage graph
@@ -303,7 +304,7 @@ def _moves(state: _State, reach: _Reach, chain: bool, divisors, devices, busy):
 def _node_moves(state, reach, chain, src, dst):
   """Nodes of stage src moving to stage dst."""
   masks = state.masks
-  for v in _bits(masks[src]):
+  for v in bits(masks[src]):
     if chain:
       # Stages stay in order: a node moves later only if none of its
       # successors stays behind, earlier only if none of its predecessors
@@ -336,7 +337,7 @@ def _splits(state, reach, chain, src):
   masks = state.masks
   if not masks[src] & (masks[src] - 1):
     return  # a single node
-  for v in _bits(masks[src]):
+  for v in bits(masks[src]):
     rest = masks[src] & ~(1 << v)
     if chain:
       # Before its stage when none of its predecessors is in it, after
@@ -363,17 +364,3 @@ def _with_count(state: _State, stage: int, k: int) -> _State:
   counts = list(state.counts)
   counts[stage] = k
   return _State(list(state.masks), counts)
-
-
-def _mask(nodes) -> int:
-  out = 0
-  for v in nodes:
-    out |= 1 << v
-  return out
-
-
-def _bits(mask: int):
-  while mask:
-    low = mask & -mask
-    yield low.bit_length() - 1
-    mask ^= low

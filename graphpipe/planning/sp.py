@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from graphpipe.core.graph import OpGraph
 from graphpipe.errors import DecompositionError
+from graphpipe.planning.bitsets import bits, mask_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,7 +287,7 @@ def components(
     >>> components([0, 1, 2, 3], adjacency(4, [(0, 2), (1, 3)]))
     [[0, 2], [1, 3]]
   """
-  inside = _mask(vertices)
+  inside = mask_of(vertices)
   seen = 0
   out = []
   for v in vertices:
@@ -295,12 +296,12 @@ def components(
     comp, frontier = 1 << v, 1 << v
     while frontier:
       nxt = 0
-      for w in _bits(frontier):
+      for w in bits(frontier):
         nxt |= neighbours[w] & inside
       frontier = nxt & ~comp
       comp |= nxt
     seen |= comp
-    out.append(sorted(_bits(comp)))
+    out.append(sorted(bits(comp)))
   return out
 
 
@@ -342,10 +343,10 @@ class _Decomposer:
 
   def _best_forced_cut(self, vertices: list[int]) -> tuple[list[int], int]:
     """The down-set cut missing the smallest share of relations."""
-    inside = _mask(vertices)
+    inside = mask_of(vertices)
     level = {}
     for v in vertices:
-      preds = [u for u in _bits(self.ancestors[v] & inside)]
+      preds = [u for u in bits(self.ancestors[v] & inside)]
       level[v] = 1 + max((level[u] for u in preds), default=-1)
     orders = [vertices, sorted(vertices, key=lambda v: (level[v], v))]
     best = None
@@ -382,17 +383,3 @@ def _make(kind: str, children: list[SPTree], added: int = 0) -> SPTree:
     vertices=tuple(sorted(v for c in flat for v in c.vertices)),
     added_dependencies=added + sum(c.added_dependencies for c in children),
   )
-
-
-def _mask(vertices: Iterable[int]) -> int:
-  out = 0
-  for v in vertices:
-    out |= 1 << v
-  return out
-
-
-def _bits(mask: int):
-  while mask:
-    low = mask & -mask
-    yield low.bit_length() - 1
-    mask ^= low
