@@ -64,9 +64,7 @@ def case_section(results) -> list[str]:
     lines.append(
       f"GraphPipe's planner picks {graph_row['num_stages']} stages of depth "
       f"{graph_row['depth']} (data-parallel stages) because the simulator "
-      "rates it faster than one block per device; the paper's depth 4 is "
-      "our depth 5, since we count the stage the head shares with a "
-      "branch on the longest path."
+      "rates it faster than one block per device."
     )
   return lines
 
