@@ -111,7 +111,8 @@ def launch(
   ended = [None] * num_processes
 
   def drain(pid, proc):
-    outputs[pid] = proc.stdout.read()
+    with proc.stdout:  # the pipe is closed once read, not left to GC
+      outputs[pid] = proc.stdout.read()
     proc.wait()
     ended[pid] = time.monotonic() - begin
     finished.put(pid)

@@ -6,9 +6,11 @@ step, inside `Trainer.step` or inside `Trainer.save`. The time-outs of
 the distributed runtime are set small so that nothing can hang for long.
 """
 
+import gc
 import os
 import re
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -108,3 +110,18 @@ def test_save_over_a_checkpoint_uncommits_it_first(tmp_path):
       trainer.step(state, fault_worker.batch(1))
   finally:
     del os.environ[faults.ENV_FAULT]
+
+
+def test_launch_leaves_no_pipe_open(tmp_path):
+  # Each child's output pipe is closed once read, whether the run passes or
+  # a process fails (a pipe left to the garbage collector warns, and a
+  # long-lived launcher would run out of file descriptors).
+  code = "import sys; print('done'); sys.exit(int(sys.argv[1]))"
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always", ResourceWarning)
+    assert launch(["-c", code, "0"], 2, 1) == ["done\n", "done\n"]
+    with pytest.raises(LaunchError, match="exited with status 3"):
+      launch(["-c", code, "3"], 2, 1, **QUICK)
+    gc.collect()
+  leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
+  assert not leaks, [str(w.message) for w in leaks]
