@@ -196,6 +196,17 @@ def throughput(setup: Setup, progress) -> dict:
   return out
 
 
+def sweep_throughput(setup: Setup, through: dict, progress) -> dict:
+  """The throughput runs at the sweep's device count (the ablation and the
+  search times read them): `through` where the figure has that count, else
+  run there (`--sweep_devices` need not be one of `--devices`)."""
+  if setup.sweep_devices in setup.devices:
+    return through
+  return throughput(
+    dataclasses.replace(setup, devices=(setup.sweep_devices,)), progress
+  )
+
+
 def branch_sweep(setup: Setup, progress) -> dict:
   rows = []
   for branches in setup.branches:
@@ -352,12 +363,17 @@ def run(setup: Setup, out: str, plots: bool = True) -> dict:
     + len(MODELS) * len(setup.devices)
     + len(MODELS) * len(setup.memory_shares)
   )
+  # The ablation and the search times read the throughput runs at the
+  # sweep's device count: run there too where the figure leaves it out.
+  apart = setup.sweep_devices not in setup.devices
+  steps += len(MODELS) * len(PLANNERS) * apart
   progress = common.Progress(steps, "configuration")
   through = throughput(setup, progress)
+  at_sweep = sweep_throughput(setup, through, progress)
   results = {"throughput": through}
   results["branch_sweep"] = branch_sweep(setup, progress)
-  results["ablation"] = ablation(setup, through, progress)
-  results["search_time"] = search_time(setup, through)
+  results["ablation"] = ablation(setup, at_sweep, progress)
+  results["search_time"] = search_time(setup, at_sweep)
   results["case_study"] = case_study(setup, progress)
   results["parity"] = parity(setup, progress)
   results["per_stage"] = reproduction_sizes.per_stage(

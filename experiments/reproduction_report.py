@@ -347,7 +347,10 @@ def search_section(results) -> list[str]:
         None,
       )
       if ours:
-        name = f"{r['model']}" + (f" with {r[label]} {label}" if label else "")
+        name = r["model"]
+        if label:
+          plural = label if r[label] != 1 else label[:-2]  # 'branch'
+          name += f" with {r[label]} {plural}"
         found.append(
           f"{name} {r['search_time_s'] / ours['search_time_s']:.1f}x"
         )
@@ -355,7 +358,7 @@ def search_section(results) -> list[str]:
     sentences.append(
       "where Piper finds a plan at these devices its search takes "
       + ", ".join(found)
-      + " GraphPipe's: with one or two branches its down-sets are few (a "
+      + " GraphPipe's: with few branches a graph has few down-sets (a "
       "chain's are its prefixes), so its DP costs about what the others' "
       "do, and the work all planners share (spare devices, local search, "
       "simulation) dominates"
