@@ -111,6 +111,19 @@ def define_flags() -> None:
   )
 
 
+def define_piper_budget() -> None:
+  """`--piper_budget`: the stages (down-set pairs) Piper may price before
+  it reports that it found no plan (`graphpipe.plan`'s `piper_budget`)."""
+  from graphpipe.planning.piper import PIPER_BUDGET
+
+  flags.DEFINE_integer(
+    "piper_budget",
+    PIPER_BUDGET,
+    "Stages (down-set pairs) Piper may price before it gives up.",
+    lower_bound=1,
+  )
+
+
 def check_int_list(name: str, minimum: int = 1) -> None:
   """Makes list flag `--name` a usage error unless it holds integers >=
   `minimum` (a bad value then stops the app before it starts)."""

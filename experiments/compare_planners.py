@@ -26,6 +26,7 @@ from experiments import common
 from graphpipe import PLANNERS, models, plan_and_simulate
 from graphpipe.costs import device_spec
 from graphpipe.errors import GraphpipeError
+from graphpipe.planning.piper import PIPER_BUDGET
 
 BASELINES = ("sequential", "gpipe", "piper")
 # Piper's search is exponential in the branches (it gives up on DLRM and
@@ -40,6 +41,7 @@ def compare(
   planners: list[str],
   device: str,
   config: str,
+  piper_budget: int = PIPER_BUDGET,
 ) -> dict:
   """Plans and simulates every model x device count x planner.
 
@@ -55,6 +57,7 @@ def compare(
     planners: planners to compare ('graphpipe' first is usual).
     device: a device preset of `graphpipe.costs`.
     config: 'paper' or 'tiny'.
+    piper_budget: stages Piper may price before it gives up.
 
   Returns:
     {'rows': [...], 'ratios': [...]} as written to results.json.
@@ -94,6 +97,7 @@ def compare(
             batch_size=batch_size,
             planner=planner,
             device=device,
+            piper_budget=piper_budget,
           )
           row.update(common.plan_summary(plan, report))
           note = (
@@ -206,6 +210,7 @@ def define_flags() -> None:
   common.check_choices("models", models.NAMES)
   common.check_int_list("devices")
   common.check_choices("planners", PLANNERS)
+  common.define_piper_budget()
   flags.DEFINE_bool("plots", True, "Draw ratio.png (needs matplotlib).")
   flags.DEFINE_string("out", None, "Output folder.", required=True)
 
@@ -225,6 +230,7 @@ def main(argv):
       planners=options.planners,
       device=options.device,
       config=options.config,
+      piper_budget=options.piper_budget,
     )
   except GraphpipeError as err:
     raise SystemExit(f"experiments.compare_planners: {err}") from err
@@ -234,6 +240,7 @@ def main(argv):
     "planners": options.planners,
     "device": options.device,
     "config": options.config,
+    "piper_budget": options.piper_budget,
     "batch_size": "graphpipe.models.default_batch_size",
   }
   results["total_time_s"] = time.perf_counter() - start

@@ -47,6 +47,7 @@ from graphpipe.errors import (
   PlotsUnavailableError,
 )
 from graphpipe.planning import engine
+from graphpipe.planning.piper import PIPER_BUDGET
 from graphpipe.simulator import iteration_floor
 
 
@@ -63,6 +64,7 @@ def run(
   profiled: bool = False,
   padding_tolerance: float | None = None,
   max_padding: float | None = None,
+  piper_budget: int = PIPER_BUDGET,
 ) -> dict:
   """Captures, plans, schedules and simulates; writes DIR's files.
 
@@ -75,7 +77,8 @@ def run(
     model, config: the zoo model and its size ('paper' or 'tiny').
     num_devices: devices the plan may use.
     batch_size: samples per iteration; None: `default_batch_size`.
-    planner: 'graphpipe', 'sequential' or 'gpipe'.
+    planner: one of `graphpipe.PLANNERS` ('graphpipe', 'sequential',
+      'gpipe', 'piper').
     device: a device preset ('v100', 'a100', 'h100', 'h200', 'cpu').
     out: the output folder (created).
     plots: draw schedule.png (skipped with a note without matplotlib).
@@ -83,6 +86,7 @@ def run(
     padding_tolerance: `graphpipe.plan`'s (None: its default, 0.015).
     max_padding: `graphpipe.plan`'s hard limit on the padding fraction
       (None: no limit).
+    piper_budget: stages Piper may price before it gives up.
 
   Returns:
     The dict written to results.json.
@@ -114,6 +118,7 @@ def run(
     profiled=profiled,
     padding_tolerance=padding_tolerance,
     max_padding=max_padding,
+    piper_budget=piper_budget,
   )
   common.log(f"{plan}\n[3/4] simulated: {report}")
   memory = memory_figures(plan, graph)
@@ -153,6 +158,7 @@ def run(
       "cost_model": "profiled" if profiled else "analytic",
       "padding_tolerance": padding_tolerance,
       "max_padding": max_padding,
+      "piper_budget": piper_budget,
     },
     "in_flight": list(schedule.in_flight),
     "peak_stash": list(report.peak_stash),
@@ -253,6 +259,7 @@ def define_flags() -> None:
     "held beyond each device's own stage, a share of all held) is at most "
     "this; default no limit.",
   )
+  common.define_piper_budget()
   flags.DEFINE_string("out", None, "Output folder.", required=True)
 
 
@@ -272,6 +279,7 @@ def main(argv):
       profiled=options.profiled,
       padding_tolerance=options.padding_tolerance,
       max_padding=options.max_padding,
+      piper_budget=options.piper_budget,
     )
   except GraphpipeError as err:
     raise SystemExit(f"experiments.plan: {err}") from err

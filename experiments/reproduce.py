@@ -420,12 +420,7 @@ def define_flags() -> None:
   from graphpipe.costs.analytic import PRESETS
 
   flags.DEFINE_enum("device", "v100", PRESETS, "Device preset.")
-  flags.DEFINE_integer(
-    "piper_budget",
-    PIPER_BUDGET,
-    "Stages Piper may price per search.",
-    lower_bound=1,
-  )
+  common.define_piper_budget()
   common.check_int_list("devices")
   common.check_int_list("branches")
   flags.DEFINE_bool("plots", True, "Draw the PNGs (needs matplotlib).")

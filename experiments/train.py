@@ -42,6 +42,7 @@ def define_flags():
     "num_processes", 1, "Local processes (N/P devices each).", lower_bound=1
   )
   flags.DEFINE_enum("planner", "graphpipe", PLANNERS, "Planner.")
+  common.define_piper_budget()
   flags.DEFINE_integer("steps", 5, "Optimizer steps.", lower_bound=1)
   flags.DEFINE_integer("batch_size", 16, "Samples per step.", lower_bound=1)
   flags.DEFINE_enum(
@@ -89,6 +90,7 @@ def make_plan(graph, options):
       options.batch_size,
       options.planner,
       options.device,
+      piper_budget=options.piper_budget,
     )
   return plan(
     graph,
@@ -97,6 +99,7 @@ def make_plan(graph, options):
     planner=options.planner,
     device=options.device,
     memory_bytes=None if memory == "preset" else float(memory),
+    piper_budget=options.piper_budget,
   )
 
 

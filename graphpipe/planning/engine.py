@@ -301,6 +301,7 @@ def fits(
   memory_bytes: float,
   sizes: Sequence[int],
   memory_kinds: Sequence[str] = KINDS,
+  piper_budget: int = PIPER_BUDGET,
 ) -> bool:
   """Whether `plan`'s search has a candidate within `memory_bytes` (the
   partitioners' candidates priced; no local search or simulation): false
@@ -315,6 +316,7 @@ def fits(
     sizes,
     memory_kinds=memory_kinds,
     feasible_only=True,
+    piper_budget=piper_budget,
   )
   return found is not None
 
@@ -326,8 +328,16 @@ def unlimited_plan(
   planner: str,
   cost_model: CostModel,
   sizes: Sequence[int],
+  piper_budget: int = PIPER_BUDGET,
 ) -> Plan | None:
   """`plan`'s search without a memory limit (None: no plan at all)."""
   return run_search(
-    graph, num_devices, batch_size, planner, cost_model, math.inf, sizes
+    graph,
+    num_devices,
+    batch_size,
+    planner,
+    cost_model,
+    math.inf,
+    sizes,
+    piper_budget=piper_budget,
   )

@@ -16,6 +16,7 @@ from graphpipe.core.stages import Plan
 from graphpipe.costs import AnalyticCostModel, DeviceSpec, device_spec
 from graphpipe.planning.arguments import check_arguments, searched_sizes
 from graphpipe.planning.engine import fits, unlimited_plan
+from graphpipe.planning.piper import PIPER_BUDGET
 from graphpipe.planning.search import plan
 
 __all__ = ["tightest_plan"]
@@ -28,6 +29,7 @@ def tightest_plan(
   planner: str = "graphpipe",
   device: str | DeviceSpec = "v100",
   steps: int = 18,
+  piper_budget: int = PIPER_BUDGET,
 ) -> Plan:
   """The planner's plan under the smallest per-device memory that fits.
 
@@ -52,14 +54,15 @@ def tightest_plan(
     planner: one of `PLANNERS`.
     device: the device preset or spec the planner costs with.
     steps: bisection steps.
+    piper_budget: stages Piper may price per search before it gives up.
   """
   check_arguments(graph, num_devices, batch_size, planner)
-  kwargs = {"planner": planner, "device": device}
+  kwargs = {"planner": planner, "device": device, "piper_budget": piper_budget}
   # Feasibility as `plan` decides it, without building its error message.
   spec = device_spec(device) if isinstance(device, str) else device
   args = (graph, num_devices, batch_size, planner, AnalyticCostModel(spec))
   sizes = searched_sizes(batch_size, None)
-  unlimited = unlimited_plan(*args, sizes)
+  unlimited = unlimited_plan(*args, sizes, piper_budget)
   peak = math.inf
   if unlimited is not None:
     peak = float(plan_memory(graph, unlimited).largest_of(MODEL_KINDS))
@@ -67,7 +70,7 @@ def tightest_plan(
   low, high, found = 1.0, high + 1e6, False
   for _ in range(steps):
     middle = (low + high) / 2
-    if peak <= middle or fits(*args, middle, sizes, MODEL_KINDS):
+    if peak <= middle or fits(*args, middle, sizes, MODEL_KINDS, piper_budget):
       high, found = middle, True
     else:
       low = middle

@@ -8,12 +8,14 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
 import pytest
 
 import graphpipe
 from graphpipe import Plan
 from graphpipe.core.memory import KINDS
+from graphpipe.errors import PlanError
 from graphpipe.models import capture_zoo
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -154,3 +156,48 @@ def test_compare_planners_writes_ratios(tmp_path):
   )
   pytest.importorskip("matplotlib")
   assert (tmp_path / "ratio.png").exists()
+
+
+def test_the_experiments_give_piper_its_budget(tmp_path):
+  # Piper's no-plan error says "raise piper_budget": each experiment that
+  # plans takes --piper_budget and hands it on (here a budget of 5 stages).
+  from experiments import compare_planners, train
+  from experiments import plan as plan_experiment
+
+  priced = "it priced 5 stages"
+  with pytest.raises(PlanError, match=priced):
+    plan_experiment.run(
+      model="two_branch",
+      config="tiny",
+      num_devices=4,
+      batch_size=None,
+      planner="piper",
+      device="v100",
+      out=str(tmp_path),
+      plots=False,
+      piper_budget=5,
+    )
+  rows = compare_planners.compare(
+    model_names=["two_branch"],
+    device_counts=[4],
+    planners=["piper"],
+    device="v100",
+    config="tiny",
+    piper_budget=5,
+  )["rows"]
+  assert priced in rows[0]["error"]
+  graph = capture_zoo("two_branch", "tiny")
+  for memory in ("tight", "preset"):  # tightest_plan, plan
+    options = types.SimpleNamespace(
+      memory=memory,
+      config="tiny",
+      num_devices=4,
+      batch_size=8,
+      planner="piper",
+      device="v100",
+      piper_budget=5,
+    )
+    with pytest.raises(PlanError, match=priced):
+      train.make_plan(graph, options)
+    options.piper_budget = 10**6  # the default plans it
+    assert train.make_plan(graph, options).planner == "piper"
