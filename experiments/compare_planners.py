@@ -189,6 +189,25 @@ def plot_ratios(path: str, ratio_rows: list[dict], title: str) -> bool:
   return True
 
 
+def write_plot(out: str, ratio_rows: list[dict], device: str) -> str:
+  """Draws `out`/ratio.png where there is a ratio to draw; what it did.
+
+  A model and device count has a ratio when both graphpipe and sequential
+  planned it: with neither among `--planners` (or no plan from either)
+  there is nothing to draw, and no empty chart is written.
+  """
+  if all(r["graphpipe_over_sequential"] is None for r in ratio_rows):
+    return (
+      "no ratio.png: no model and device count has both a graphpipe and a "
+      "sequential plan (--planners needs both for the ratio)"
+    )
+  path = os.path.join(out, "ratio.png")
+  title = f"simulated throughput ratio ({device})"
+  if not plot_ratios(path, ratio_rows, title):
+    return "no ratio.png: matplotlib is not installed (pip install matplotlib)"
+  return f"wrote {path}"
+
+
 def define_flags() -> None:
   """This experiment's flags (defined when run, so tests import freely)."""
   common.define_flags()
@@ -253,12 +272,7 @@ def main(argv):
       f"sequential = {text}"
     )
   if options.plots:
-    title = f"simulated throughput ratio ({options.device})"
-    path = os.path.join(options.out, "ratio.png")
-    if not plot_ratios(path, results["ratios"], title):
-      common.log(
-        "no ratio.png: matplotlib is not installed (pip install matplotlib)"
-      )
+    common.log(write_plot(options.out, results["ratios"], options.device))
   print(f"wrote {options.out}/results.json")
 
 

@@ -201,3 +201,25 @@ def test_the_experiments_give_piper_its_budget(tmp_path):
       train.make_plan(graph, options)
     options.piper_budget = 10**6  # the default plans it
     assert train.make_plan(graph, options).planner == "piper"
+
+
+def test_compare_planners_draws_no_empty_chart(tmp_path):
+  # Without graphpipe (or sequential) among the planners there is no
+  # ratio: no chart, and the run says why (it drew empty axes before).
+  from experiments import compare_planners
+
+  rows = [
+    {"model": "mmt", "num_devices": 4, "planner": p}
+    | {"throughput_samples_per_s": 1.0}
+    for p in ("sequential", "gpipe")
+  ]
+  ratios = compare_planners.ratios(rows)
+  said = compare_planners.write_plot(str(tmp_path), ratios, "v100")
+  assert "needs both" in said
+  assert not (tmp_path / "ratio.png").exists()
+  pytest.importorskip("matplotlib")
+  rows.append(rows[0] | {"planner": "graphpipe"})
+  ratios = compare_planners.ratios(rows)
+  said = compare_planners.write_plot(str(tmp_path), ratios, "v100")
+  assert said == f"wrote {tmp_path / 'ratio.png'}"
+  assert (tmp_path / "ratio.png").read_bytes()[:4] == b"\x89PNG"
