@@ -26,12 +26,25 @@ def define_flags() -> None:
   flags.DEFINE_enum("model", "two_branch", models.NAMES, "Zoo model.")
   flags.DEFINE_enum("config", "tiny", models.SIZES, "Model size.")
   flags.DEFINE_integer(
-    "batch_size", 8, "Batch size to trace at (figures are per sample)."
+    "batch_size",
+    8,
+    "Batch size to trace at (figures are per sample).",
+    lower_bound=1,
   )
   flags.DEFINE_string(
     "granularity",
     None,
-    "'layer', 'block' or a module depth; default: the model's capture depth.",
+    "'layer', 'block' or a module depth >= 1; default: the model's capture "
+    "depth.",
+  )
+  flags.register_validator(
+    "granularity",
+    lambda text: (
+      text is None
+      or text in ("layer", "block")
+      or (text.isdigit() and int(text) >= 1)
+    ),
+    message="--granularity takes layer, block or a module depth >= 1",
   )
   flags.DEFINE_string("out", None, "Output folder.", required=True)
 

@@ -256,13 +256,20 @@ def capture_zoo(
   """
   spec = get(name)
   cfg = config(name, size)
+  if batch_size is None:
+    batch_size = 8
+  # 0 is not "the default": it was taken for one, silently.
+  if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+    raise ModelConfigError(f"batch_size must be an int, got {batch_size!r}")
+  if batch_size < 1:
+    raise ModelConfigError(f"batch_size must be >= 1, got {batch_size}")
   model = build(name, cfg, abstract=True)
-  batch = spec.abstract_batch(cfg, batch_size or 8)
+  batch = spec.abstract_batch(cfg, batch_size)
   return capture(
     spec.loss_fn,
     model,
     batch,
-    granularity=granularity or spec.capture_depth,
+    granularity=(spec.capture_depth if granularity is None else granularity),
     costs=costs,
     name=name,
     config=size,

@@ -274,6 +274,13 @@ def test_unknown_names_and_bad_configs_raise():
   model = models.build("mmt", mmt.Config.tiny())
   with pytest.raises(GraphpipeError, match="4 branches"):
     model([jnp.zeros((1, 8, 16))])
+  # 0 is refused, not taken for the default (batch 8, the model's depth).
+  with pytest.raises(GraphpipeError, match="batch_size must be >= 1"):
+    models.capture_zoo("two_branch", "tiny", batch_size=0)
+  with pytest.raises(GraphpipeError, match="batch_size must be an int"):
+    models.capture_zoo("two_branch", "tiny", batch_size=2.5)
+  with pytest.raises(GraphpipeError, match="depth >= 1, got 0"):
+    models.capture_zoo("two_branch", "tiny", granularity=0)
 
 
 def test_same_seed_same_weights():
