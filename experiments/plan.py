@@ -96,7 +96,9 @@ def run(
       f"unknown planner {planner!r}: use one of {', '.join(PLANNERS)}"
     )
   device_spec(device)  # fail before the capture on a bad preset
-  chosen = batch_size or models.default_batch_size(model, num_devices)
+  chosen = batch_size
+  if chosen is None:
+    chosen = models.default_batch_size(model, num_devices)
   common.log(f"[1/4] capturing {model} ({config})")
   start = time.perf_counter()
   graph = models.capture_zoo(model, config)
@@ -152,7 +154,7 @@ def run(
       "config": config,
       "num_devices": num_devices,
       "batch_size": chosen,
-      "batch_size_source": "flag" if batch_size else "default",
+      "batch_size_source": "default" if batch_size is None else "flag",
       "planner": planner,
       "device": device,
       "cost_model": "profiled" if profiled else "analytic",
