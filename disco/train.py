@@ -16,6 +16,8 @@ from dense training to fine-tuning never recompile.
 
 import dataclasses
 import functools
+import math
+import numbers
 import time
 
 import jax
@@ -25,7 +27,7 @@ import optax
 from flax import nnx
 
 from disco import prune
-from disco.errors import DataError
+from disco.errors import ConfigError, DataError
 from disco.layers import CommMask
 
 
@@ -53,6 +55,22 @@ class TrainConfig:
   weight_decay: float = 1e-4
   warmup_epochs: float = 1.0
   group_lasso: float = 0.0
+
+  def __post_init__(self):
+    ints = {"epochs": (self.epochs, 0), "batch_size": (self.batch_size, 1)}
+    for name, (value, least) in ints.items():
+      if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{name} must be an int >= {least}, got {value!r}")
+    floats = {
+      "learning_rate": self.learning_rate,
+      "weight_decay": self.weight_decay,
+      "warmup_epochs": self.warmup_epochs,
+      "group_lasso": self.group_lasso,
+    }
+    for name, value in floats.items():
+      real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+      if not (real and math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
 
   def steps_per_epoch(self, examples: int) -> int:
     """Training steps in one epoch over `examples` images."""

@@ -6,6 +6,7 @@ uses for every flag it is not given (`Settings.for_task`).
 """
 
 import dataclasses
+import math
 
 from absl import flags
 
@@ -82,6 +83,45 @@ class Settings:
   weight_decay: float = 1e-4
   group_lasso: float = 1e-3
 
+  def __post_init__(self):
+    """Counts, rates and shares out of range are refused here, before a
+    run starts (they failed deep inside it, or ran on silently)."""
+    least = {
+      "seeds": 1,
+      "first_seed": 0,
+      "dense_epochs": 1,
+      "prune_epochs": 1,  # the pruning schedule needs steps
+      "finetune_epochs": 0,
+      "batch_size": 1,
+      "patches": 1,
+      "scenes": 1,
+    }
+    for name, low in least.items():
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise DiscoError(f"{name} must be an int >= {low}, got {value!r}")
+    for name in ("tolerance", "finetune_learning_rate"):
+      _check_number(name, getattr(self, name))
+    if not 0 < self.validation_fraction < 1:
+      raise DiscoError(
+        f"validation_fraction must be in (0, 1), got {self.validation_fraction}"
+      )
+    self.learning_rate_list()
+    self.ratios()
+
+  def learning_rate_list(self) -> list[float]:
+    """The dense learning rates, checked (at least one, each > 0)."""
+    try:
+      rates = [float(v) for v in self.learning_rates.split(",")]
+    except ValueError:
+      raise DiscoError(
+        "learning_rates takes numbers separated by commas, got "
+        f"{self.learning_rates!r}"
+      ) from None
+    for rate in rates:
+      _check_number("each of learning_rates", rate, positive=True)
+    return rates
+
   @classmethod
   def for_task(cls, task: str, dataset: str | None = None, **given):
     """The measured settings of `task` (BUILD.md), then `given` on top.
@@ -110,6 +150,14 @@ class Settings:
     for value in values:
       prune.check_ratio(value)
     return values
+
+
+def _check_number(name: str, value, positive: bool = False) -> None:
+  ok = isinstance(value, int | float) and not isinstance(value, bool)
+  ok = ok and math.isfinite(value) and (value > 0 if positive else value >= 0)
+  if not ok:
+    bound = "> 0" if positive else ">= 0"
+    raise DiscoError(f"{name} must be a finite number {bound}, got {value!r}")
 
 
 # Per (task, dataset), the settings of the runs BUILD.md reports (its

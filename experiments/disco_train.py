@@ -83,7 +83,7 @@ def run(settings: Settings, out: str) -> dict:
     f"examples of shape {dataset.image_shape}"
   )
   seeds = range(settings.first_seed, settings.first_seed + settings.seeds)
-  rates = [float(v) for v in settings.learning_rates.split(",")]
+  rates = settings.learning_rate_list()
   runs = len(rates) + 4 * len(seeds) - 1 + 2 * len(ratios)
   progress = common.Progress(runs, "training run")
   experiment = _Experiment(settings, dataset, validation, progress)

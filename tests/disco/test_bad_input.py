@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from disco import checkpoint, data, distributed, metrics, prune
+from disco import checkpoint, data, distributed, metrics, prune, train
 from disco.errors import (
   CheckpointError,
   ConfigError,
@@ -202,6 +202,25 @@ ROWS = [
     lambda c: prune.GradualSchedule(0.5, 0),
     PruneError,
     "at least 1",
+  ),
+  # disco.train
+  (
+    "train-epochs-negative",
+    lambda c: train.TrainConfig(epochs=-1),
+    ConfigError,
+    "epochs must be an int >= 0",
+  ),
+  (
+    "train-batch-size-0",
+    lambda c: train.TrainConfig(epochs=1, batch_size=0),
+    ConfigError,
+    "batch_size must be an int >= 1",
+  ),
+  (
+    "train-learning-rate-nan",
+    lambda c: train.TrainConfig(epochs=1, learning_rate=float("nan")),
+    ConfigError,
+    "learning_rate must be a finite number >= 0",
   ),
   # disco.data
   (

@@ -125,6 +125,40 @@ def test_experiment_refuses_a_ratio_outside_0_1(tmp_path):
   assert "Traceback" not in run.stderr
 
 
+@pytest.mark.parametrize(
+  "given, message",
+  [
+    ({"seeds": 0}, "seeds must be an int >= 1"),
+    ({"first_seed": -1}, "first_seed must be an int >= 0"),
+    ({"batch_size": 0}, "batch_size must be an int >= 1"),
+    ({"dense_epochs": -1}, "dense_epochs must be an int >= 1"),
+    ({"prune_epochs": 0}, "prune_epochs must be an int >= 1"),
+    ({"finetune_epochs": -1}, "finetune_epochs must be an int >= 0"),
+    ({"patches": 0}, "patches must be an int >= 1"),
+    ({"validation_fraction": 1.0}, r"validation_fraction must be in \(0, 1\)"),
+    ({"tolerance": float("nan")}, "tolerance must be a finite number >= 0"),
+    ({"finetune_learning_rate": -1e-3}, "must be a finite number >= 0"),
+    ({"learning_rates": "abc"}, "learning_rates takes numbers"),
+    ({"learning_rates": "0.1,0"}, "each of learning_rates must be .* > 0"),
+    ({"sweep": "0.1,2"}, "communication ratio must be in"),
+  ],
+)
+def test_settings_out_of_range_are_refused_before_a_run(given, message):
+  # They failed deep inside a run (--seeds=0, --batch_size=0, a bad
+  # learning-rate list: tracebacks) or ran on (--dense_epochs=-1).
+  with pytest.raises(DiscoError, match=message):
+    disco_train.Settings(**given)
+
+
+def test_a_bad_setting_on_the_command_line_ends_the_run_without_a_traceback(
+  tmp_path,
+):
+  run = _run_app("--learning_rates=0.1,abc", f"--out={tmp_path}")
+  assert run.returncode != 0
+  assert "disco_train: error: learning_rates takes numbers" in run.stderr
+  assert "Traceback" not in run.stderr
+
+
 def test_flags_left_out_take_the_tasks_measured_settings(tmp_path):
   measured = disco_train.Settings.for_task("detect")
   assert (measured.dataset, measured.seeds, measured.finetune_epochs) == (
