@@ -88,7 +88,7 @@ def define_flags() -> None:
   """Flags of the program; defined only when run as a program."""
   defaults = Settings(checkpoint="")
   flags.DEFINE_string("checkpoint", None, "Checkpoint folder.", required=True)
-  flags.DEFINE_integer("num_nodes", defaults.num_nodes, "Nodes.")
+  flags.DEFINE_integer("num_nodes", defaults.num_nodes, "Nodes.", lower_bound=1)
   flags.DEFINE_enum(
     "dataset",
     defaults.dataset,
@@ -97,10 +97,17 @@ def define_flags() -> None:
   )
   flags.DEFINE_string("data_dir", defaults.data_dir, "CIFAR-10 folder.")
   flags.DEFINE_float("test_fraction", defaults.test_fraction, "Held-out share.")
-  flags.DEFINE_integer("batch_size", defaults.batch_size, "Images per call.")
-  flags.DEFINE_integer("repeats", defaults.repeats, "Timed calls.")
+  flags.DEFINE_integer(
+    "batch_size", defaults.batch_size, "Images per call.", lower_bound=1
+  )
+  flags.DEFINE_integer(
+    "repeats", defaults.repeats, "Timed calls.", lower_bound=1
+  )
   flags.DEFINE_float(
-    "message_latency", defaults.message_latency, "Seconds per message."
+    "message_latency",
+    defaults.message_latency,
+    "Seconds per message.",
+    lower_bound=0,
   )
   flags.DEFINE_string("out", None, "Output folder.", required=True)
   common.define_flags()

@@ -45,15 +45,40 @@ MODELS = ("resnet", "srnet")
 RESULT = "RESULT "
 
 
+def _positive_numbers(text: str) -> bool:
+  try:
+    values = [float(v) for v in text.split(",")]
+  except ValueError:
+    return False
+  return all(0 < v < float("inf") for v in values)
+
+
 def define_flags() -> None:
   """The experiment's flags."""
   flags.DEFINE_string("out", None, "Output folder.")
   flags.DEFINE_string("rates", "100,1000,10000", "Link rates, Mbit/s.")
+  flags.register_validator(
+    "rates",
+    _positive_numbers,
+    message="--rates takes link rates > 0 (Mbit/s), separated by commas",
+  )
   flags.DEFINE_string("models", ",".join(MODELS), "Models to time.")
-  flags.DEFINE_integer("batch", 64, "The large batch (1 is always timed).")
-  flags.DEFINE_integer("repeats", 10, "Timed calls per figure (median).")
-  flags.DEFINE_float("comm_ratio", 0.2, "DISCO's communication ratio.")
-  flags.DEFINE_float("message_latency", 1e-4, "Model: seconds per message.")
+  flags.DEFINE_integer(
+    "batch", 64, "The large batch (1 is always timed).", lower_bound=1
+  )
+  flags.DEFINE_integer(
+    "repeats", 10, "Timed calls per figure (median).", lower_bound=1
+  )
+  flags.DEFINE_float(
+    "comm_ratio",
+    0.2,
+    "DISCO's communication ratio.",
+    lower_bound=0,
+    upper_bound=1,
+  )
+  flags.DEFINE_float(
+    "message_latency", 1e-4, "Model: seconds per message.", lower_bound=0
+  )
   flags.DEFINE_enum("role", "main", ["main", "link", "node"], "Internal.")
   common.define_flags()
 

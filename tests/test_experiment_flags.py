@@ -3,7 +3,7 @@ errors: absl refuses them while parsing (enums, bounds, validators), so a
 bad value stops the app with a message naming the flag, not a traceback
 from deep inside. One child process parses every row (defining one
 experiment's flags at a time); one more runs an app end to end.
-(disco_train and disco_infer are being rewritten elsewhere; not here.)
+(disco_train's settings are checked when built: tests/disco/test_train.py.)
 """
 
 import json
@@ -59,6 +59,16 @@ ROWS = [
   ("reproduce", ["--sweep_devices=0"], "is not a positive integer"),
   ("reproduce", ["--piper_budget=0"], "is not a positive integer"),
   ("reproduce", ["--device=tpu9"], "value should be one of"),
+  ("disco_infer", ["--num_nodes=0"], "is not a positive integer"),
+  ("disco_infer", ["--batch_size=0"], "is not a positive integer"),
+  ("disco_infer", ["--repeats=0"], "is not a positive integer"),
+  ("disco_infer", ["--message_latency=-1"], "is not a non-negative"),
+  ("disco_latency", ["--rates=100,x"], "--rates takes link rates > 0"),
+  ("disco_latency", ["--rates=0"], "--rates takes link rates > 0"),
+  ("disco_latency", ["--batch=0"], "is not a positive integer"),
+  ("disco_latency", ["--repeats=0"], "is not a positive integer"),
+  ("disco_latency", ["--comm_ratio=1.5"], "is not a number in the range"),
+  ("disco_latency", ["--message_latency=-1"], "is not a non-negative"),
   ("bench_runtime", ["--batch_size=0"], "is not a positive integer"),
   ("bench_runtime", ["--microbatches=0"], "is not a positive integer"),
   ("bench_runtime", ["--pairs=0"], "is not a positive integer"),
@@ -77,7 +87,9 @@ for name in dict.fromkeys(r[0] for r in rows):
   before = set(flags.FLAGS)
   module = importlib.import_module(f"experiments.{name}")
   (getattr(module, "define_flags", None) or module._define_flags)()
+  # Required flags besides --out (never read: parsing only).
   base = ["prog", "--out=/tmp/unused"]
+  base += {"disco_infer": ["--checkpoint=/tmp/unused"]}.get(name, [])
   flags.FLAGS(base)  # the defaults parse
   flags.FLAGS.unparse_flags()
   for i, (exp, args, _) in enumerate(rows):
