@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from graphpipe.core.memory import KINDS
 from graphpipe.errors import PlanError
 
 PLANNERS = ("graphpipe", "sequential", "gpipe", "piper")
@@ -17,6 +18,8 @@ def check_arguments(
   planner,
   padding_tolerance=0.0,
   max_padding=None,
+  memory_kinds=KINDS,
+  piper_budget=1,
 ) -> None:
   if planner not in PLANNERS:
     raise PlanError(
@@ -41,6 +44,19 @@ def check_arguments(
       "max_padding must be None or a number in [0, 1] (a share of the "
       f"parameter and optimizer bytes held), got {max_padding!r}"
     )
+  unknown = [k for k in memory_kinds if k not in KINDS]
+  if isinstance(memory_kinds, str) or unknown or not memory_kinds:
+    raise PlanError(
+      "memory_kinds must be a non-empty list of kinds of "
+      f"graphpipe.core.memory.KINDS ({', '.join(KINDS)}), got "
+      f"{memory_kinds!r}"
+    )
+  if (
+    isinstance(piper_budget, bool)
+    or not isinstance(piper_budget, int)
+    or piper_budget < 1
+  ):
+    raise PlanError(f"piper_budget must be an int >= 1, got {piper_budget!r}")
 
 
 def searched_sizes(

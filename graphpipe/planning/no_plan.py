@@ -16,10 +16,20 @@ from graphpipe.core.memory import (
 from graphpipe.core.stages import Plan
 from graphpipe.errors import PlanError
 from graphpipe.planning.engine import fits, run_search, unlimited_plan
+from graphpipe.planning.piper import PIPER_BUDGET
 
 
 def padding_error(
-  graph, devices, batch, planner, model, memory, sizes, max_padding, kinds
+  graph,
+  devices,
+  batch,
+  planner,
+  model,
+  memory,
+  sizes,
+  max_padding,
+  kinds,
+  piper_budget=PIPER_BUDGET,
 ) -> PlanError:
   """Says the least padding a plan that fits can have (bisected to 0.02)."""
   low, high, least = max_padding, 1.0, None
@@ -36,6 +46,7 @@ def padding_error(
       memory_kinds=kinds,
       feasible_only=True,
       max_padding=middle,
+      piper_budget=piper_budget,
     )
     if found is None:
       low = middle
@@ -55,20 +66,40 @@ def padding_error(
 
 
 def _unbounded_fit(
-  graph, devices, batch, planner, model, memory, sizes, kinds=KINDS
+  graph,
+  devices,
+  batch,
+  planner,
+  model,
+  memory,
+  sizes,
+  kinds=KINDS,
+  piper_budget=PIPER_BUDGET,
 ):
   """The plan searched without a memory limit, if it fits `memory`."""
-  found = unlimited_plan(graph, devices, batch, planner, model, sizes)
+  found = unlimited_plan(
+    graph, devices, batch, planner, model, sizes, piper_budget
+  )
   ok = found is not None and _peak_memory(found, graph, kinds) <= memory
   return found if ok else None
 
 
 def no_plan_error(
-  graph, devices, batch, planner, model, memory, sizes, unlimited, kinds=KINDS
+  graph,
+  devices,
+  batch,
+  planner,
+  model,
+  memory,
+  sizes,
+  unlimited,
+  kinds=KINDS,
+  piper_budget=PIPER_BUDGET,
 ):
   """Says what memory (or how many devices) would have allowed a plan;
   `unlimited` is the plan searched without a memory limit (or None); the
-  budget bounds the memory `kinds` (`graphpipe.core.memory.KINDS`)."""
+  budget bounds the memory `kinds` (`graphpipe.core.memory.KINDS`); the
+  searches it runs give Piper `piper_budget`, as the search that failed."""
   if unlimited is None:
     return PlanError(
       f"no {planner} plan exists for {devices} devices even without a "
@@ -83,7 +114,9 @@ def no_plan_error(
   high = _peak_memory(unlimited, graph, kinds)
   while high > low * 1.01:
     middle = math.sqrt(low * high)
-    found = fits(graph, devices, batch, planner, model, middle, sizes, kinds)
+    found = fits(
+      graph, devices, batch, planner, model, middle, sizes, kinds, piper_budget
+    )
     low, high = (low, middle) if found else (middle, high)
   more, more_devices = None, devices
   while (
@@ -91,8 +124,8 @@ def no_plan_error(
   ):
     more_devices = min(2 * more_devices, 64)
     args = (graph, more_devices, batch, planner, model, memory, sizes)
-    feasible = fits(*args, kinds)
-    if feasible or _unbounded_fit(*args, kinds) is not None:
+    feasible = fits(*args, kinds, piper_budget)
+    if feasible or _unbounded_fit(*args, kinds, piper_budget) is not None:
       more = more_devices
   hint = f", or use at least {more} devices" if more else ""
   counted = "" if set(kinds) == set(KINDS) else f" of {', '.join(kinds)}"

@@ -130,7 +130,14 @@ def plan(
   if padding_tolerance is None:
     padding_tolerance = engine.PADDING_TOLERANCE
   check_arguments(
-    graph, num_devices, batch_size, planner, padding_tolerance, max_padding
+    graph,
+    num_devices,
+    batch_size,
+    planner,
+    padding_tolerance,
+    max_padding,
+    memory_kinds,
+    piper_budget,
   )
   if cost_model is None:
     spec = device_spec(device) if isinstance(device, str) else device
@@ -164,7 +171,10 @@ def plan(
     # searched without the limit may fit where the bounded search found
     # none (tests/graphpipe/test_random_graphs.py found such graphs).
     args = (graph, num_devices, batch_size, planner, cost_model)
-    options = {"padding_tolerance": padding_tolerance}
+    options = {
+      "padding_tolerance": padding_tolerance,
+      "piper_budget": piper_budget,
+    }
     unlimited = run_search(
       *args, math.inf, sizes, **options, max_padding=max_padding
     )
@@ -173,13 +183,17 @@ def plan(
     ):
       best = unlimited
     elif max_padding is not None and fits(
-      *args, memory_bytes, sizes, memory_kinds
+      *args, memory_bytes, sizes, memory_kinds, piper_budget
     ):
-      raise padding_error(*args, memory_bytes, sizes, max_padding, memory_kinds)
+      raise padding_error(
+        *args, memory_bytes, sizes, max_padding, memory_kinds, piper_budget
+      )
     else:
       if max_padding is not None:
         unlimited = run_search(*args, math.inf, sizes, **options)
-      raise no_plan_error(*args, memory_bytes, sizes, unlimited, memory_kinds)
+      raise no_plan_error(
+        *args, memory_bytes, sizes, unlimited, memory_kinds, piper_budget
+      )
   return dataclasses.replace(
     best,
     device=device_name,

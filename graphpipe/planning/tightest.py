@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from graphpipe.core.graph import OpGraph
-from graphpipe.core.memory import MODEL_KINDS, plan_memory
+from graphpipe.core.memory import KINDS, MODEL_KINDS, plan_memory
 from graphpipe.core.stages import Plan
 from graphpipe.costs import AnalyticCostModel, DeviceSpec, device_spec
 from graphpipe.planning.arguments import check_arguments, searched_sizes
@@ -56,7 +56,9 @@ def tightest_plan(
     steps: bisection steps.
     piper_budget: stages Piper may price per search before it gives up.
   """
-  check_arguments(graph, num_devices, batch_size, planner)
+  check_arguments(
+    graph, num_devices, batch_size, planner, 0.0, None, KINDS, piper_budget
+  )
   kwargs = {"planner": planner, "device": device, "piper_budget": piper_budget}
   # Feasibility as `plan` decides it, without building its error message.
   spec = device_spec(device) if isinstance(device, str) else device

@@ -320,9 +320,29 @@ ROWS = [
         "not divisible",
       ),
       (
+        "memory-kinds-unknown",
+        lambda c: graphpipe.plan(c.graph, 2, 16, memory_kinds=["weights"]),
+        "memory_kinds must be a non-empty list of kinds",
+      ),
+      (
+        "memory-kinds-empty",
+        lambda c: graphpipe.plan(c.graph, 2, 16, memory_kinds=[]),
+        "memory_kinds must be a non-empty list of kinds",
+      ),
+      (
+        "piper-budget-0",
+        lambda c: graphpipe.plan(c.graph, 2, 16, "piper", piper_budget=0),
+        "piper_budget must be an int >= 1",
+      ),
+      (
         "tightest-devices-0",
         lambda c: graphpipe.tightest_plan(c.graph, 0, 16),
         "num_devices",
+      ),
+      (
+        "tightest-piper-budget-0",
+        lambda c: graphpipe.tightest_plan(c.graph, 2, 16, piper_budget=0),
+        "piper_budget must be an int >= 1",
       ),
     ]
   ],

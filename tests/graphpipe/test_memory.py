@@ -169,6 +169,30 @@ def test_no_plan_error_counts_the_kinds_the_budget_bounds():
   assert floor < memory_floor(graph)[0]
 
 
+def test_the_no_plan_searches_give_piper_the_callers_budget(monkeypatch):
+  # Where nothing fits, plan searches again (without a limit, bisecting
+  # the memory, more devices) to say what would fit: every one of those
+  # searches gives Piper the budget the caller gave, not the default.
+  from graphpipe.planning import piper
+
+  budgets = []
+  init = piper.PiperPartitioner.__init__
+
+  def recording(self, graph, costs, budget):
+    budgets.append(budget)
+    init(self, graph, costs, budget)
+
+  monkeypatch.setattr(piper.PiperPartitioner, "__init__", recording)
+  graph = rc.tiny_graph("two_branch")
+  fitting = plan_memory(graph, graphpipe.plan(graph, 4, 16, "piper")).largest
+  with pytest.raises(PlanError, match="smallest per-device memory"):
+    graphpipe.plan(
+      graph, 4, 16, "piper", memory_bytes=0.2 * fitting, piper_budget=123_456
+    )
+  assert len(budgets) > 3  # the search, then the error's searches
+  assert set(budgets[1:]) == {123_456}
+
+
 def test_memory_report_of_an_abstract_paper_model():
   graph = graphpipe.models.capture_zoo("two_branch", "paper")
   plan = graphpipe.plan(graph, 8, 8)
