@@ -100,6 +100,43 @@ def define_flags():
   flags.DEFINE_string("out", None, "Output folder.", required=True)
   for name in ("mlp_widths", "mlp_batch_sizes", "microbatches"):
     common.check_int_list(name)
+  # Bad rows failed mid-run (a traceback after the rows before them were
+  # measured): refused while parsing.
+  flags.register_validator(
+    "transformers",
+    lambda specs: all(_row_ok(s, ("tiny", "mid")) for s in specs),
+    message="--transformers takes config:batch:micro-batches rows, config "
+    "tiny or mid, the micro-batch count dividing the batch",
+  )
+  flags.register_validator(
+    "two_device_mlps",
+    lambda specs: all(not s or _row_ok(s) for s in specs),
+    message="--two_device_mlps takes width:batch:micro-batches rows, the "
+    "micro-batch count dividing the batch",
+  )
+  flags.register_multi_flags_validator(
+    ["mlp_batch_sizes", "microbatches"],
+    lambda given: all(
+      b.isdigit() and m.isdigit() and int(m) >= 1 and int(b) % int(m) == 0
+      for b in given["mlp_batch_sizes"]
+      for m in given["microbatches"]
+    ),
+    message="every --microbatches count must divide every --mlp_batch_sizes",
+  )
+
+
+def _row_ok(spec: str, configs=None) -> bool:
+  """Whether a `first:batch:micro-batches` row is well formed (`first` one
+  of `configs`, or a width >= 1 when None)."""
+  parts = spec.split(":")
+  if len(parts) != 3 or not all(p.isdigit() for p in parts[1:]):
+    return False
+  first, batch, micro = parts[0], int(parts[1]), int(parts[2])
+  if configs is None:
+    ok = first.isdigit() and int(first) >= 1
+  else:
+    ok = first in configs
+  return ok and micro >= 1 and batch % micro == 0
 
 
 def alternate(systems: dict, pairs: int, warmup: int) -> dict:

@@ -56,6 +56,13 @@ def define_flags():
   flags.DEFINE_integer(
     "microbatches", 4, "Micro-batches per step.", lower_bound=1
   )
+  # Not divisible, the plans took batch // microbatches samples each and
+  # ran another number of micro-batches than asked, silently.
+  flags.register_multi_flags_validator(
+    ["batch_size", "microbatches"],
+    lambda given: given["batch_size"] % given["microbatches"] == 0,
+    message="--microbatches must divide --batch_size",
+  )
   flags.DEFINE_integer(
     "pairs", 30, "Timed (sequential, graphpipe) pairs.", lower_bound=1
   )

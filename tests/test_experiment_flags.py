@@ -72,10 +72,21 @@ ROWS = [
   ("bench_runtime", ["--batch_size=0"], "is not a positive integer"),
   ("bench_runtime", ["--microbatches=0"], "is not a positive integer"),
   ("bench_runtime", ["--pairs=0"], "is not a positive integer"),
+  (
+    "bench_runtime",
+    ["--batch_size=3", "--microbatches=2"],
+    "--microbatches must divide --batch_size",
+  ),
   ("bench_overhead", ["--mlp_widths=512,wide"], "integers >= 1"),
   ("bench_overhead", ["--microbatches=0"], "integers >= 1"),
   ("bench_overhead", ["--pairs=0"], "is not a positive integer"),
   ("bench_overhead", ["--warmup=-1"], "is not a non-negative"),
+  ("bench_overhead", ["--transformers=tiny:64"], "config:batch:micro-batches"),
+  ("bench_overhead", ["--transformers=huge:8:2"], "config tiny or mid"),
+  ("bench_overhead", ["--transformers=tiny:8:3"], "dividing the batch"),
+  ("bench_overhead", ["--two_device_mlps=512:256"], "width:batch:micro"),
+  ("bench_overhead", ["--two_device_mlps=0:256:4"], "width:batch:micro"),
+  ("bench_overhead", ["--microbatches=3"], "must divide every --mlp_batch"),
 ]
 
 CHILD = r"""
