@@ -421,19 +421,33 @@ def check_memory(
   raise PlanError(over_budget_message(graph, plan, report, memory_bytes))
 
 
-def over_budget_message(graph, plan, report, memory_bytes) -> str:
-  """Why `plan` does not fit, and what to change."""
+def over_budget_message(
+  graph, plan, report, memory_bytes, devices_hint=True, kinds=KINDS
+) -> str:
+  """Why `plan` does not fit, and what to change.
+
+  No remedy is offered where none can work: under `memory_floor` (of the
+  `kinds` the budget bounds) no plan on any number of devices fits.
+  `devices_hint=False` leaves out "more devices" (the no-plan error says
+  itself whether more devices fit).
+  """
   device = max(range(len(report.totals)), key=lambda d: report.totals[d])
-  kinds = report.per_device[device]
+  text = (
+    f"{report.describe(device)}, "
+    f"{over_budget(report.totals[device], memory_bytes)} per device"
+  )
+  if memory_bytes < memory_floor(graph, kinds=kinds)[0]:
+    return text
   hints = []
   heavy = max(
     plan.stages,
     key=lambda s: sum(graph.nodes[n].param_bytes for n in s.nodes),
   )
-  hints.append(
-    "more devices (every device holds slots the size of the largest "
-    f"stage, stage {heavy.id}; more stages make it smaller)"
-  )
+  if devices_hint:
+    hints.append(
+      "more devices (every device holds slots the size of the largest "
+      f"stage, stage {heavy.id}; more stages make it smaller)"
+    )
   saved = plan_memory(graph, plan, recompute=True).largest
   if saved < 0.99 * report.largest:
     hints.append(
@@ -443,12 +457,9 @@ def over_budget_message(graph, plan, report, memory_bytes) -> str:
     hints.append(
       "a smaller micro-batch (stashes and working memory shrink with it)"
     )
-  del kinds
-  return (
-    f"{report.describe(device)}, "
-    f"{over_budget(report.totals[device], memory_bytes)} per device; try "
-    f"{'; or '.join(hints)}"
-  )
+  if not hints:
+    return text
+  return f"{text}; try {'; or '.join(hints)}"
 
 
 def over_budget(total: float, budget: float) -> str:

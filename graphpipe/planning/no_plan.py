@@ -148,7 +148,12 @@ def no_plan_error(
     f"memory that fits is about {high_text} GiB; raise memory_bytes "
     f"or pick a device with more memory{hint}. Without a limit, "
     + over_budget_message(
-      graph, unlimited, plan_memory(graph, unlimited), memory
+      graph,
+      unlimited,
+      plan_memory(graph, unlimited),
+      memory,
+      devices_hint=False,
+      kinds=kinds,
     )
   )
 

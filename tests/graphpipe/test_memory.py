@@ -119,6 +119,13 @@ def test_planner_refuses_plans_whose_padded_figure_is_over_budget():
     assert plan_memory(graph, chosen).largest <= budget
   with pytest.raises(PlanError, match="Without a limit, device .* holds"):
     graphpipe.plan(graph, 4, 16, memory_bytes=need / 50)
+  # Above the floor the no-plan error offers remedies, but says itself
+  # whether more devices fit (not "try more devices" whatever they do).
+  floor = memory_floor(graph)[0]
+  with pytest.raises(PlanError) as info:
+    graphpipe.plan(graph, 4, 16, memory_bytes=1.001 * floor)
+  assert "; try " in str(info.value)
+  assert "try more devices" not in str(info.value)
 
 
 def test_no_plan_error_says_when_more_devices_cannot_help():
@@ -133,6 +140,9 @@ def test_no_plan_error_says_when_more_devices_cannot_help():
     graphpipe.plan(graph, 4, 16, memory_bytes=0.9 * floor)
   assert repr(heaviest) in str(info.value)
   assert "use at least" not in str(info.value)
+  # Under the floor nothing helps: no remedy is offered (it said "try more
+  # devices; or recompute=True" after "more devices cannot help").
+  assert "; try " not in str(info.value)
   # Just under the floor, the floor is printed as more than the budget.
   with pytest.raises(PlanError, match="more devices cannot help") as info:
     graphpipe.plan(graph, 4, 16, memory_bytes=0.9999 * floor)
