@@ -115,6 +115,19 @@ def holdout(dataset: Dataset, fraction: float, seed: int = 0) -> Dataset:
   )
 
 
+# The options `load` passes on (each dataset reads its own).
+_OPTIONS = (
+  "image_size",
+  "test_fraction",
+  "data_dir",
+  "scale",
+  "patch",
+  "patches",
+  "scene_size",
+  "scenes",
+)
+
+
 def load(task: str, name: str, *, seed: int = 0, **options) -> Dataset:
   """The dataset `name` for `task`: the one place datasets are picked.
 
@@ -141,6 +154,12 @@ def load(task: str, name: str, *, seed: int = 0, **options) -> Dataset:
     raise DataError(
       f"no dataset {name!r} for task {task!r}: the tasks and their "
       f"datasets are {TASKS}"
+    )
+  unknown = sorted(set(options) - set(_OPTIONS))
+  if unknown:
+    # A misspelt option was dropped silently (the default used instead).
+    raise DataError(
+      f"unknown dataset options {unknown}: load takes {', '.join(_OPTIONS)}"
     )
   size = options.get("image_size", 16)
   if name == "digits":
@@ -179,6 +198,13 @@ def photos(scale: int, patch: int, patches: int, seed: int = 0) -> Dataset:
     >>> data.x_train.shape, data.y_train.shape
     ((16, 8, 8, 3), (16, 16, 16, 3))
   """
+  for option, value in (
+    ("scale", scale),
+    ("patch", patch),
+    ("patches", patches),
+  ):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise DataError(f"photos needs {option} >= 1 (an int), got {value!r}")
   images = scenes.photographs()
   held = PHOTO_TEST + PHOTO_VALIDATION
   train = [image for name, image in images.items() if name not in held]
@@ -201,6 +227,9 @@ def shapes(task: str, size: int, count: int, seed: int = 0) -> Dataset:
     >>> data.y_train.shape, data.num_classes
     ((6, 3, 5), 5)
   """
+  if isinstance(count, bool) or not isinstance(count, int) or count < 4:
+    # A quarter is held out: fewer than 4 left the test set empty.
+    raise DataError(f"shapes needs at least 4 scenes, got {count!r}")
   images, classes, boxes = scenes.shape_scenes(count, size, seed=seed)
   y = classes if task == "segment" else boxes
   cut = count - count // 4

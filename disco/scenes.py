@@ -117,6 +117,12 @@ def superres_pairs(
   crops = []
   for index, image in enumerate(images):
     height, width = image.shape[:2]
+    if min(height, width) < side:
+      raise DataError(
+        f"a high-resolution patch of side {side} ({patch} x {scale}) does "
+        f"not fit an image of {height} x {width}: use a smaller patch or "
+        "scale"
+      )
     if count is None:
       corners = [
         (r, c)
@@ -158,8 +164,16 @@ def shape_scenes(
     in pixels (bottom / right exclusive), class -1 for no shape.
 
   Raises:
-    DataError: scikit-image is not installed.
+    DataError: scikit-image is not installed, or a size under 10 (shapes
+      are a fifth to a half of it; smaller, scikit-image cannot draw them).
   """
+  if isinstance(size, bool) or not isinstance(size, int) or size < 10:
+    raise DataError(f"shape scenes need a size of at least 10, got {size!r}")
+  if count < 0 or max_shapes < 1:
+    raise DataError(
+      f"shape scenes need count >= 0 and max_shapes >= 1, got {count} and "
+      f"{max_shapes}"
+    )
   try:
     from skimage.draw import random_shapes
   except ImportError:

@@ -224,6 +224,42 @@ ROWS = [
   ),
   # disco.data
   (
+    "load-unknown-option",
+    lambda c: data.load("classify", "digits", imagesize=8),
+    DataError,
+    r"unknown dataset options \['imagesize'\]",
+  ),
+  (
+    "shapes-fewer-than-4-scenes",
+    lambda c: data.load("detect", "shapes", scenes=3),
+    DataError,
+    "at least 4 scenes",
+  ),
+  (
+    "shapes-size-under-10",
+    lambda c: data.load("segment", "shapes", scenes=8, scene_size=8),
+    DataError,
+    "size of at least 10",
+  ),
+  (
+    "photos-patches-0",
+    lambda c: data.load("superres", "photos", patches=0),
+    DataError,
+    "patches >= 1",
+  ),
+  (
+    "photos-scale-0",
+    lambda c: data.load("superres", "photos", scale=0),
+    DataError,
+    "scale >= 1",
+  ),
+  (
+    "photos-patch-larger-than-the-photographs",
+    lambda c: data.load("superres", "photos", patch=500, patches=2),
+    DataError,
+    "does not fit an image",
+  ),
+  (
     "digits-image-size-0",
     lambda c: data.digits(image_size=0),
     DataError,
