@@ -264,10 +264,14 @@ class DiscoConv(DiscoLayer):
     **kwargs,
   ):
     kernel_size = _pair(kernel_size)
-    if min(kernel_size) < 1 or min(_pair(strides)) < 1:
+    if (
+      min(kernel_size) < 1
+      or min(_pair(strides)) < 1
+      or min(_pair(dilation)) < 1
+    ):
       raise ConfigError(
-        f"kernel size and strides must be at least 1, got {kernel_size} and "
-        f"{_pair(strides)}"
+        "kernel size, strides and dilation must be at least 1, got "
+        f"{kernel_size}, {_pair(strides)} and {_pair(dilation)}"
       )
     super().__init__(in_features, out_features, kernel_size, **kwargs)
     self.strides = _pair(strides)

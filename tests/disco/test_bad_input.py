@@ -143,13 +143,19 @@ ROWS = [
     "conv-kernel-0",
     lambda c: DiscoConv(8, 16, 0, num_nodes=2, rngs=nnx.Rngs(0)),
     ConfigError,
-    "kernel size and strides must be at least 1",
+    "kernel size, strides and dilation must be at least 1",
   ),
   (
     "conv-strides-0",
     lambda c: DiscoConv(8, 16, 3, strides=0, num_nodes=2, rngs=nnx.Rngs(0)),
     ConfigError,
     "at least 1",
+  ),
+  (
+    "conv-dilation-0",
+    lambda c: DiscoConv(8, 16, 3, dilation=0, num_nodes=2, rngs=nnx.Rngs(0)),
+    ConfigError,
+    "dilation must be at least 1",
   ),
   (
     "conv-input-not-nhwc",
