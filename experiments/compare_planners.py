@@ -193,8 +193,9 @@ def write_plot(out: str, ratio_rows: list[dict], device: str) -> str:
   """Draws `out`/ratio.png where there is a ratio to draw; what it did.
 
   A model and device count has a ratio when both graphpipe and sequential
-  planned it: with neither among `--planners` (or no plan from either)
-  there is nothing to draw, and no empty chart is written.
+  planned it: where no configuration has both (one of them not among
+  `--planners`, or no plan from it) there is nothing to draw, and no
+  empty chart is written.
   """
   if all(r["graphpipe_over_sequential"] is None for r in ratio_rows):
     return (
