@@ -40,6 +40,13 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
     graph: the operator graph it partitions.
     memory_bytes: the per-device budget.
   """
+  real = isinstance(memory_bytes, int | float) and not isinstance(
+    memory_bytes, bool
+  )
+  if not (real and memory_bytes > 0):  # NaN too
+    raise PlanError(
+      f"memory_bytes must be a number > 0 (per device), got {memory_bytes!r}"
+    )
   problems = []
   owner = {}
   for s in p.stages:

@@ -255,6 +255,12 @@ ROWS = [
     PlanError,
     "cover every node exactly once",
   ),
+  (
+    "check-plan-memory-negative",
+    lambda c: graphpipe.check_plan(graphpipe.plan(c.graph, 2, 16), c.graph, -1),
+    PlanError,
+    "memory_bytes must be a number > 0",
+  ),
   # graphpipe.plan / tightest_plan
   *[
     (
