@@ -33,7 +33,13 @@ def save(trainer, state, directory: str) -> None:
   mark = os.path.join(directory, MARK)
   step = int(np.asarray(state.step.addressable_shards[0].data))
   if jax.process_index() == 0:
-    os.makedirs(directory, exist_ok=True)
+    try:
+      os.makedirs(directory, exist_ok=True)
+    except OSError as err:  # a file of that name, no permission, ...
+      raise PipelineRuntimeError(
+        f"cannot save a checkpoint to {directory}: {err.strerror or err} "
+        "(a checkpoint is a folder; pick a path where one can be made)"
+      ) from None
     if os.path.exists(mark):
       os.remove(mark)
   try:

@@ -37,6 +37,13 @@ def ctx(tmp_path_factory):
   return Ctx(tmp_path_factory.mktemp("bad_input"))
 
 
+def _file(path: str) -> str:
+  """`path`, made an ordinary file (where a checkpoint folder would go)."""
+  with open(path, "w") as f:
+    f.write("not a folder")
+  return path
+
+
 # (id, case(ctx), error class, message pattern)
 ROWS = [
   # graphpipe.Trainer
@@ -161,6 +168,14 @@ ROWS = [
     "the plan needs",
   ),
   # Trainer.save / restore (graphpipe.runtime.checkpoints)
+  (
+    "save-over-a-file",
+    lambda c: c.trainer.save(
+      c.state(), _file(os.path.join(c.folder, "a-file"))
+    ),
+    PipelineRuntimeError,
+    "cannot save a checkpoint to .*a-file: File exists",
+  ),
   (
     "restore-missing-folder",
     lambda c: c.trainer.restore(os.path.join(c.folder, "nothing-here")),
