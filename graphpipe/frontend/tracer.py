@@ -192,7 +192,11 @@ def capture(
     depth = 10**9
   elif granularity == "block":
     depth = 2
-  elif isinstance(granularity, int) and granularity >= 1:
+  elif (
+    isinstance(granularity, int)
+    and not isinstance(granularity, bool)  # True is no depth
+    and granularity >= 1
+  ):
     depth = granularity
   else:
     raise CaptureError(

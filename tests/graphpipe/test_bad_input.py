@@ -51,6 +51,12 @@ ROWS = [
     "granularity must be",
   ),
   (
+    "capture-granularity-bool",
+    lambda c: graphpipe.capture(loss_fn, mlp(), BATCH, granularity=True),
+    CaptureError,
+    "depth >= 1, got True",
+  ),
+  (
     "capture-granularity-0",
     lambda c: graphpipe.capture(loss_fn, mlp(), BATCH, granularity=0),
     CaptureError,
