@@ -25,9 +25,9 @@ def check_arguments(
     raise PlanError(
       f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}"
     )
-  if not isinstance(num_devices, int) or num_devices < 1:
+  if not _count(num_devices):
     raise PlanError(f"num_devices must be a positive int, got {num_devices!r}")
-  if not isinstance(batch_size, int) or batch_size < 1:
+  if not _count(batch_size):
     raise PlanError(f"batch_size must be a positive int, got {batch_size!r}")
   if not graph.nodes:
     raise PlanError("the graph has no nodes: capture a model first")
@@ -57,6 +57,11 @@ def check_arguments(
     or piper_budget < 1
   ):
     raise PlanError(f"piper_budget must be an int >= 1, got {piper_budget!r}")
+
+
+def _count(value) -> bool:
+  """A positive int (True is not a count of 1)."""
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def searched_sizes(

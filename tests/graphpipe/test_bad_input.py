@@ -281,6 +281,7 @@ ROWS = [
       ("devices-float", lambda c: graphpipe.plan(c.graph, 2.5, 16), "int"),
       ("batch-0", lambda c: graphpipe.plan(c.graph, 2, 0), "batch_size"),
       ("batch-float", lambda c: graphpipe.plan(c.graph, 2, 16.5), "int"),
+      ("devices-bool", lambda c: graphpipe.plan(c.graph, True, 16), "int"),
       (
         "memory-0",
         lambda c: graphpipe.plan(c.graph, 2, 16, memory_bytes=0),
