@@ -83,6 +83,19 @@ class Settings:
   repeats: int = 30
   message_latency: float = 1e-4
 
+  def __post_init__(self):
+    """The flags' bounds, for callers of `run` too (repeats=0 gave NaN
+    latencies; batch_size=0 a traceback)."""
+    for name in ("num_nodes", "batch_size", "repeats"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DiscoError(f"{name} must be an int >= 1, got {value!r}")
+    latency = self.message_latency
+    if not isinstance(latency, int | float) or not 0 <= latency < float("inf"):
+      raise DiscoError(
+        f"message_latency must be a finite number >= 0, got {latency!r}"
+      )
+
 
 def define_flags() -> None:
   """Flags of the program; defined only when run as a program."""

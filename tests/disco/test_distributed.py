@@ -184,6 +184,15 @@ def test_experiment_refuses_a_checkpoint_that_does_not_match(tmp_path):
   (tmp_path / "ckpt" / "arrays.npz").write_bytes(b"not an archive")
   with pytest.raises(DiscoError, match="unreadable arrays"):
     disco_infer.run(disco_infer.Settings(str(tmp_path / "ckpt")), "unused")
+  # The flags' bounds hold for callers of run too (repeats=0 gave NaN
+  # latencies, batch_size=0 a traceback).
+  for given, message in [
+    ({"repeats": 0}, "repeats must be an int >= 1"),
+    ({"batch_size": 0}, "batch_size must be an int >= 1"),
+    ({"message_latency": -1e-4}, "message_latency must be a finite"),
+  ]:
+    with pytest.raises(DiscoError, match=message):
+      disco_infer.Settings(str(tmp_path / "ckpt"), **given)
 
 
 def test_hlo_counter_counts_every_collective_kind():
