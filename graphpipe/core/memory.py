@@ -431,11 +431,20 @@ def over_budget_message(
   `devices_hint=False` leaves out "more devices" (the no-plan error says
   itself whether more devices fit).
   """
-  device = max(range(len(report.totals)), key=lambda d: report.totals[d])
-  text = (
-    f"{report.describe(device)}, "
-    f"{over_budget(report.totals[device], memory_bytes)} per device"
-  )
+  counted = [sum(k[kind] for kind in kinds) for k in report.per_device]
+  device = max(range(len(counted)), key=lambda d: counted[d])
+  if set(kinds) == set(KINDS):
+    text = (
+      f"{report.describe(device)}, "
+      f"{over_budget(counted[device], memory_bytes)} per device"
+    )
+  else:
+    # The budget bounds some kinds only: their sum is what is over it.
+    text = (
+      f"{report.describe(device)}; of it {', '.join(kinds)} take "
+      f"{_gib(counted[device])}, "
+      f"{over_budget(counted[device], memory_bytes)} per device"
+    )
   if memory_bytes < memory_floor(graph, kinds=kinds)[0]:
     return text
   hints = []

@@ -164,6 +164,10 @@ def test_no_plan_error_counts_the_kinds_the_budget_bounds():
     graphpipe.plan(graph, 4, 16, memory_bytes=budget, memory_kinds=MODEL_KINDS)
   text = str(info.value)
   assert "of parameters, gradients, optimizer, state per device" in text
+  # Without a limit, the kinds the budget bounds are what is over it (it
+  # set the device's whole total against the budget).
+  unbounded = text.split("Without a limit, ")[1]
+  assert "; of it parameters, gradients, optimizer, state take " in unbounded
   named = float(text.split("fits is about ")[1].split(" GiB")[0]) * 2**30
   assert named < unlimited.largest  # all kinds would name more
   chosen = graphpipe.plan(
