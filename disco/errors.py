@@ -3,7 +3,9 @@
 Every error the package raises on bad input derives from `DiscoError`, so
 callers can catch one class. Errors about a bad value also derive from
 `ValueError`, so code that already catches the builtin keeps working.
-Messages say what was wrong and what to do.
+Messages say what was wrong and what to do. `require_int` and
+`require_number` are the checks of counts and rates that raise them (one
+wording for the configs and the experiments' settings).
 
 Example:
   >>> from disco.splits import split_channels
@@ -13,6 +15,9 @@ Example:
   ...   isinstance(error, DiscoError)
   True
 """
+
+import math
+import numbers
 
 
 class DiscoError(Exception):
@@ -53,6 +58,32 @@ class CheckpointError(DiscoError):
 
 class DataError(DiscoError):
   """A dataset is missing, malformed or too small for what is asked of it."""
+
+
+def require_int(name: str, value, least: int, error=ConfigError) -> None:
+  """Raises `error` unless `value` is an int >= `least` (True is no int).
+
+  Example:
+    >>> require_int("epochs", -1, 0)
+    Traceback (most recent call last):
+    ...
+    disco.errors.ConfigError: epochs must be an int >= 0, got -1
+  """
+  if isinstance(value, bool) or not isinstance(value, int) or value < least:
+    raise error(f"{name} must be an int >= {least}, got {value!r}")
+
+
+def require_number(
+  name: str, value, positive: bool = False, error=ConfigError
+) -> None:
+  """Raises `error` unless `value` is a finite real number >= 0 (> 0 when
+  `positive`)."""
+  real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+  if not (
+    real and math.isfinite(value) and (value > 0 if positive else value >= 0)
+  ):
+    bound = "> 0" if positive else ">= 0"
+    raise error(f"{name} must be a finite number {bound}, got {value!r}")
 
 
 __all__ = [

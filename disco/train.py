@@ -16,8 +16,6 @@ from dense training to fine-tuning never recompile.
 
 import dataclasses
 import functools
-import math
-import numbers
 import time
 
 import jax
@@ -27,7 +25,7 @@ import optax
 from flax import nnx
 
 from disco import prune
-from disco.errors import ConfigError, DataError
+from disco.errors import DataError, require_int, require_number
 from disco.layers import CommMask
 
 
@@ -57,20 +55,11 @@ class TrainConfig:
   group_lasso: float = 0.0
 
   def __post_init__(self):
-    ints = {"epochs": (self.epochs, 0), "batch_size": (self.batch_size, 1)}
-    for name, (value, least) in ints.items():
-      if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ConfigError(f"{name} must be an int >= {least}, got {value!r}")
-    floats = {
-      "learning_rate": self.learning_rate,
-      "weight_decay": self.weight_decay,
-      "warmup_epochs": self.warmup_epochs,
-      "group_lasso": self.group_lasso,
-    }
-    for name, value in floats.items():
-      real = isinstance(value, numbers.Real) and not isinstance(value, bool)
-      if not (real and math.isfinite(value) and value >= 0):
-        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+    require_int("epochs", self.epochs, 0)
+    require_int("batch_size", self.batch_size, 1)
+    for name in ("learning_rate", "weight_decay", "warmup_epochs"):
+      require_number(name, getattr(self, name))
+    require_number("group_lasso", self.group_lasso)
 
   def steps_per_epoch(self, examples: int) -> int:
     """Training steps in one epoch over `examples` images."""

@@ -50,7 +50,13 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from disco import checkpoint, data, distributed, metrics, prune, train  # noqa: E402
-from disco.errors import DataError, DiscoError, DistributedError  # noqa: E402
+from disco.errors import (  # noqa: E402
+  DataError,
+  DiscoError,
+  DistributedError,
+  require_int,
+  require_number,
+)
 
 BANDWIDTHS_BITS = tuple(float(b) for b in np.logspace(8, 11, 31))
 
@@ -87,14 +93,8 @@ class Settings:
     """The flags' bounds, for callers of `run` too (repeats=0 gave NaN
     latencies; batch_size=0 a traceback)."""
     for name in ("num_nodes", "batch_size", "repeats"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise DiscoError(f"{name} must be an int >= 1, got {value!r}")
-    latency = self.message_latency
-    if not isinstance(latency, int | float) or not 0 <= latency < float("inf"):
-      raise DiscoError(
-        f"message_latency must be a finite number >= 0, got {latency!r}"
-      )
+      require_int(name, getattr(self, name), 1, DiscoError)
+    require_number("message_latency", self.message_latency, error=DiscoError)
 
 
 def define_flags() -> None:

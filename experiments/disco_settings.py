@@ -6,12 +6,11 @@ uses for every flag it is not given (`Settings.for_task`).
 """
 
 import dataclasses
-import math
 
 from absl import flags
 
 from disco import data, prune
-from disco.errors import DiscoError
+from disco.errors import DiscoError, require_int, require_number
 from experiments import common
 
 
@@ -97,11 +96,9 @@ class Settings:
       "scenes": 1,
     }
     for name, low in least.items():
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise DiscoError(f"{name} must be an int >= {low}, got {value!r}")
+      require_int(name, getattr(self, name), low, DiscoError)
     for name in ("tolerance", "finetune_learning_rate"):
-      _check_number(name, getattr(self, name))
+      require_number(name, getattr(self, name), error=DiscoError)
     if not 0 < self.validation_fraction < 1:
       raise DiscoError(
         f"validation_fraction must be in (0, 1), got {self.validation_fraction}"
@@ -119,7 +116,7 @@ class Settings:
         f"{self.learning_rates!r}"
       ) from None
     for rate in rates:
-      _check_number("each of learning_rates", rate, positive=True)
+      require_number("each of learning_rates", rate, True, DiscoError)
     return rates
 
   @classmethod
@@ -150,14 +147,6 @@ class Settings:
     for value in values:
       prune.check_ratio(value)
     return values
-
-
-def _check_number(name: str, value, positive: bool = False) -> None:
-  ok = isinstance(value, int | float) and not isinstance(value, bool)
-  ok = ok and math.isfinite(value) and (value > 0 if positive else value >= 0)
-  if not ok:
-    bound = "> 0" if positive else ">= 0"
-    raise DiscoError(f"{name} must be a finite number {bound}, got {value!r}")
 
 
 # Per (task, dataset), the settings of the runs BUILD.md reports (its

@@ -433,18 +433,11 @@ def over_budget_message(
   """
   counted = [sum(k[kind] for kind in kinds) for k in report.per_device]
   device = max(range(len(counted)), key=lambda d: counted[d])
-  if set(kinds) == set(KINDS):
-    text = (
-      f"{report.describe(device)}, "
-      f"{over_budget(counted[device], memory_bytes)} per device"
-    )
-  else:
+  text = report.describe(device)
+  if set(kinds) != set(KINDS):
     # The budget bounds some kinds only: their sum is what is over it.
-    text = (
-      f"{report.describe(device)}; of it {', '.join(kinds)} take "
-      f"{_gib(counted[device])}, "
-      f"{over_budget(counted[device], memory_bytes)} per device"
-    )
+    text += f"; of it {', '.join(kinds)} take {_gib(counted[device])}"
+  text += f", {over_budget(counted[device], memory_bytes)} per device"
   if memory_bytes < memory_floor(graph, kinds=kinds)[0]:
     return text
   hints = []

@@ -51,12 +51,19 @@ def check_arguments(
       f"graphpipe.core.memory.KINDS ({', '.join(KINDS)}), got "
       f"{memory_kinds!r}"
     )
-  if (
-    isinstance(piper_budget, bool)
-    or not isinstance(piper_budget, int)
-    or piper_budget < 1
-  ):
+  if not _count(piper_budget):
     raise PlanError(f"piper_budget must be an int >= 1, got {piper_budget!r}")
+
+
+def check_memory_bytes(memory_bytes) -> None:
+  """A per-device budget: a number > 0 (NaN is not)."""
+  real = isinstance(memory_bytes, int | float) and not isinstance(
+    memory_bytes, bool
+  )
+  if not (real and memory_bytes > 0):
+    raise PlanError(
+      f"memory_bytes must be a number > 0 (per device), got {memory_bytes!r}"
+    )
 
 
 def _count(value) -> bool:

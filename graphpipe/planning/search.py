@@ -42,11 +42,11 @@ from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import KINDS, plan_memory
 from graphpipe.core.stages import Plan
 from graphpipe.costs import AnalyticCostModel, DeviceSpec, device_spec
-from graphpipe.errors import PlanError
 from graphpipe.planning import engine
 from graphpipe.planning.arguments import (
   PLANNERS,
   check_arguments,
+  check_memory_bytes,
   searched_sizes,
 )
 from graphpipe.planning.engine import fits, run_search
@@ -145,10 +145,7 @@ def plan(
   device_name = device if isinstance(device, str) else device.name
   if memory_bytes is None:
     memory_bytes = cost_model.memory_bytes
-  if not isinstance(memory_bytes, int | float) or not memory_bytes > 0:
-    raise PlanError(
-      f"memory_bytes must be a number > 0 (per device), got {memory_bytes!r}"
-    )
+  check_memory_bytes(memory_bytes)
   sizes = searched_sizes(batch_size, micro_batch_sizes)
   per_stage = per_stage_micro_batches and planner == "graphpipe"
   best = run_search(

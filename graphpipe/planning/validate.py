@@ -10,6 +10,7 @@ from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import over_budget, plan_memory
 from graphpipe.core.stages import Plan, in_flight_counts
 from graphpipe.errors import PlanError
+from graphpipe.planning.arguments import check_memory_bytes
 
 
 def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
@@ -40,13 +41,7 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
     graph: the operator graph it partitions.
     memory_bytes: the per-device budget.
   """
-  real = isinstance(memory_bytes, int | float) and not isinstance(
-    memory_bytes, bool
-  )
-  if not (real and memory_bytes > 0):  # NaN too
-    raise PlanError(
-      f"memory_bytes must be a number > 0 (per device), got {memory_bytes!r}"
-    )
+  check_memory_bytes(memory_bytes)
   problems = []
   owner = {}
   for s in p.stages:
