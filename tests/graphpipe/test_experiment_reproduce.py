@@ -187,3 +187,77 @@ def test_the_sweep_device_count_need_not_be_in_the_throughput_figure():
   assert len(times) == len(rows)
   same = dataclasses.replace(setup, devices=(2, 4))
   assert reproduce.sweep_throughput(same, through, progress) is through
+
+
+def _sweep(ratios, head_gib, ceiling_at_most):
+  """Branch-sweep results with the given speed-ups over sequential."""
+  rows, speedup, floor, heaviest = [], [], {}, {}
+  for branches, ratio in ratios.items():
+    seq_time = 1.0
+    for planner, time in (("graphpipe", seq_time / ratio), ("sequential", 1)):
+      rows.append(
+        dict(
+          branches=branches,
+          planner=planner,
+          iteration_time_s=time,
+          throughput_samples_per_s=1 / time,
+        )
+      )
+    speedup.append(
+      dict(
+        branches=branches,
+        graphpipe_over_best_baseline=ratio,
+        graphpipe_over_sequential=ratio,
+      )
+    )
+    floor[str(branches)] = dict(
+      seconds=seq_time / ceiling_at_most, node="head.layers.0", devices=1
+    )
+    heaviest[str(branches)] = head_gib * 2**30
+  data = dict(rows=rows, speedup=speedup, floor=floor)
+  data["largest_layer_bytes"] = heaviest
+  return {"branch_sweep": data, "config": {"sweep_devices": 32}}
+
+
+def test_the_sweep_sentences_say_what_the_numbers_say():
+  from experiments import reproduction_report as report
+
+  # Level speed-ups do not "grow"; one branch is "1 branch".
+  text = "\n".join(report.branch_section(_sweep({1: 1.0, 3: 1.0}, 0.0, 4.0)))
+  assert "1 branch 1.00x" in text and "stays flat" in text
+  assert " grows " not in text
+  # A ceiling above the paper's figure: the head layer is not the reason.
+  assert "Why lower" not in text and "room up to the paper's" in text
+  # A ceiling below it: the head layer bounds every plan, and says so.
+  text = "\n".join(report.branch_section(_sweep({2: 1.1, 16: 1.23}, 1.0, 1.37)))
+  assert "Why lower: the layer after the concatenation" in text
+  assert "out of reach for any planner" in text and " grows " in text
+  text = "\n".join(report.branch_section(_sweep({8: 1.24, 16: 1.23}, 1, 1.4)))
+  assert "does not grow steadily" in text
+
+
+def test_the_throughput_sentence_names_the_preset_and_a_falling_series():
+  from experiments import reproduction_report as report
+
+  speedup, rows = [], []
+  for devices, ratio in ((4, 1.3), (8, 1.1)):
+    speedup.append(
+      dict(model="mmt", num_devices=devices, graphpipe_over_best_baseline=ratio)
+    )
+    rows.append(
+      dict(
+        model="mmt",
+        num_devices=devices,
+        planner="sequential",
+        devices_per_stage=[2, 2],
+        throughput_samples_per_s=1.0,
+      )
+    )
+  results = {
+    "throughput": {"rows": rows, "speedup": speedup},
+    "pipedream_check": {"rows": []},
+    "config": {"device": "a100"},
+  }
+  text = "\n".join(report.throughput_section(results))
+  assert "mmt 1.30x at 4 devices, its highest, and 1.10x at 8" in text
+  assert "a100 preset" in text and "V100" not in text
