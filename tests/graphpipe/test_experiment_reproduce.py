@@ -261,3 +261,28 @@ def test_the_throughput_sentence_names_the_preset_and_a_falling_series():
   text = "\n".join(report.throughput_section(results))
   assert "mmt 1.30x at 4 devices, its highest, and 1.10x at 8" in text
   assert "a100 preset" in text and "V100" not in text
+
+
+def test_the_search_sentence_explains_piper_only_where_it_is_as_quick():
+  from experiments import reproduction_report as report
+
+  def results(piper_seconds):
+    rows = [
+      dict(model="transformer", num_devices=32, planner=planner, **times)
+      for planner, times in (
+        ("graphpipe", dict(search_time_s=1.0)),
+        ("piper", dict(search_time_s=piper_seconds)),
+      )
+    ]
+    return {
+      "search_time": {"num_devices": 32, "rows": []},
+      "branch_sweep": {"rows": []},
+      "parity": {"rows": rows},
+      "config": {"piper_budget": 300_000},
+    }
+
+  quick = "\n".join(report.search_section(results(1.2)))
+  assert "transformer 1.2x GraphPipe's: with few branches" in quick
+  slow = "\n".join(report.search_section(results(6.0)))
+  assert "transformer 6.0x GraphPipe's" in slow
+  assert "costs about what the others' do" not in slow
