@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging as std_logging
+import math
 import os
 import platform
 import subprocess
@@ -249,9 +250,15 @@ def environment() -> dict:
 def write_results(out: str, results: dict, name: str = "results.json") -> str:
   """Writes `results` (plus `environment` if absent) as JSON under `out`.
 
+  Strict JSON: a figure that is not a finite number (a diverged loss, an
+  unbounded time) is written as null, which every JSON reader takes
+  (Python's default `NaN` / `Infinity` are not JSON).
+
   Example:
-    >>> write_results("/tmp/run", {"ratio": 1.2})
+    >>> write_results("/tmp/run", {"ratio": 1.2, "loss": float("nan")})
     '/tmp/run/results.json'
+
+    writes {"ratio": 1.2, "loss": null, "environment": {...}}.
 
   Args:
     out: the output folder (created).
@@ -265,8 +272,19 @@ def write_results(out: str, results: dict, name: str = "results.json") -> str:
   results.setdefault("environment", environment())
   path = os.path.join(out, name)
   with open(path, "w") as f:
-    json.dump(results, f, indent=1)
+    json.dump(_strict(results), f, indent=1, allow_nan=False)
   return path
+
+
+def _strict(value):
+  """`value` with every float that is not finite replaced by None."""
+  if isinstance(value, dict):
+    return {k: _strict(v) for k, v in value.items()}
+  if isinstance(value, list | tuple):
+    return [_strict(v) for v in value]
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
 
 
 def plan_summary(plan, report) -> dict:

@@ -4,16 +4,21 @@ Static (ast) for every app in experiments/: its flags include
 `common.define_flags()` (--quiet; directly or through another experiment's
 `define_flags()`), its `main` starts with `common.start`,
 and it reports progress through `common.log` / `common.Progress`. One cheap
-app also runs twice, with and without --quiet.
+app also runs twice, with and without --quiet. Their results.json is strict
+JSON (`common.write_results`).
 """
 
 import ast
+import json
+import math
 import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+
+from experiments import common
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 APPS = sorted(
@@ -135,3 +140,17 @@ def test_quiet_silences_progress_and_startup_noise_stays_out(tmp_path):
   for run in (loud, quiet):
     assert "xla_bridge" not in run.stderr
     assert "Unable to initialize backend" not in run.stderr
+
+
+def test_results_are_strict_json(tmp_path):
+  # A diverged loss or an unbounded time was written as NaN / Infinity,
+  # which Python reads back but JSON readers (jq, browsers) refuse.
+  path = common.write_results(
+    str(tmp_path),
+    {"loss": [1.0, math.nan], "time": {"max": math.inf}, "n": 3},
+  )
+  text = open(path).read()
+  assert "NaN" not in text and "Infinity" not in text
+  found = json.loads(text, parse_constant=lambda c: pytest.fail(c))
+  assert found["loss"] == [1.0, None] and found["time"] == {"max": None}
+  assert found["n"] == 3 and "environment" in found
