@@ -86,7 +86,8 @@ class Exchange:
   def received(self, node: int) -> np.ndarray:
     """Channels `node` receives, source by source."""
     lists = [self.sends[i][node] for i in range(self.num_nodes) if i != node]
-    return np.concatenate(lists).astype(int)
+    # One node has no sources: it receives nothing.
+    return np.concatenate([np.zeros(0, int), *lists]).astype(int)
 
   @property
   def received_width(self) -> int:
