@@ -97,7 +97,7 @@ def define_flags():
   flags.DEFINE_bool(
     "smoke", False, "Tiny sizes and 2 pairs: checks the machinery only."
   )
-  flags.DEFINE_string("out", None, "Output folder.", required=True)
+  common.define_out()
   for name in ("mlp_widths", "mlp_batch_sizes", "microbatches"):
     common.check_int_list(name)
   # Bad rows failed mid-run (a traceback after the rows before them were

@@ -66,7 +66,7 @@ def define_flags():
   flags.DEFINE_integer(
     "pairs", 30, "Timed (sequential, graphpipe) pairs.", lower_bound=1
   )
-  flags.DEFINE_string("out", None, "Output folder.", required=True)
+  common.define_out()
 
 
 def tower_plans(graph, batch_size, microbatches):

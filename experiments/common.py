@@ -112,6 +112,27 @@ def define_flags() -> None:
   )
 
 
+def define_out(required: bool = True) -> None:
+  """`--out`: the output folder. A path that names a file, or one under a
+  file, is a usage error while parsing (it once failed at the first write,
+  after the whole run)."""
+  flags.DEFINE_string("out", None, "Output folder.", required=required)
+  flags.register_validator(
+    "out",
+    lambda path: path is None or _can_be_folder(path),
+    message="--out must name a folder (or where one can be made), not a "
+    "file or a path under a file",
+  )
+
+
+def _can_be_folder(path: str) -> bool:
+  """Whether `path` is a folder, or its nearest existing parent is one."""
+  path = os.path.abspath(path)
+  while not os.path.exists(path):
+    path = os.path.dirname(path)
+  return os.path.isdir(path)
+
+
 def define_piper_budget() -> None:
   """`--piper_budget`: the stages (down-set pairs) Piper may price before
   it reports that it found no plan (`graphpipe.plan`'s `piper_budget`)."""

@@ -232,7 +232,7 @@ def define_flags() -> None:
   common.check_choices("planners", PLANNERS)
   common.define_piper_budget()
   flags.DEFINE_bool("plots", True, "Draw ratio.png (needs matplotlib).")
-  flags.DEFINE_string("out", None, "Output folder.", required=True)
+  common.define_out()
 
 
 def main(argv):

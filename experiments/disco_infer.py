@@ -122,7 +122,7 @@ def define_flags() -> None:
     "Seconds per message.",
     lower_bound=0,
   )
-  flags.DEFINE_string("out", None, "Output folder.", required=True)
+  common.define_out()
   common.define_flags()
 
 

@@ -55,7 +55,7 @@ def _positive_numbers(text: str) -> bool:
 
 def define_flags() -> None:
   """The experiment's flags."""
-  flags.DEFINE_string("out", None, "Output folder.")
+  common.define_out(required=False)
   flags.DEFINE_string("rates", "100,1000,10000", "Link rates, Mbit/s.")
   flags.register_validator(
     "rates",

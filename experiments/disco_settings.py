@@ -223,5 +223,5 @@ def define_flags() -> None:
       flags.DEFINE_integer(name, default, helps[name])
     else:
       flags.DEFINE_float(name, default, helps[name])
-  flags.DEFINE_string("out", None, "Output folder.", required=True)
+  common.define_out()
   common.define_flags()

@@ -46,7 +46,7 @@ def define_flags() -> None:
     ),
     message="--granularity takes layer, block or a module depth >= 1",
   )
-  flags.DEFINE_string("out", None, "Output folder.", required=True)
+  common.define_out()
 
 
 def _granularity(text):

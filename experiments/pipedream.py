@@ -419,7 +419,7 @@ def define_flags() -> None:
   flags.DEFINE_enum("device", "v100", PRESETS, "Device preset.")
   common.check_choices("models", models.NAMES)
   common.check_int_list("devices")
-  flags.DEFINE_string("out", None, "Output folder.", required=True)
+  common.define_out()
 
 
 def main(argv):

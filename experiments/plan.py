@@ -262,7 +262,7 @@ def define_flags() -> None:
     "this; default no limit.",
   )
   common.define_piper_budget()
-  flags.DEFINE_string("out", None, "Output folder.", required=True)
+  common.define_out()
 
 
 def main(argv):

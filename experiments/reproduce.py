@@ -407,7 +407,7 @@ def run(setup: Setup, out: str, plots: bool = True) -> dict:
 def define_flags() -> None:
   """This experiment's flags (defined when run, so tests import freely)."""
   common.define_flags()
-  flags.DEFINE_string("out", None, "Output folder.", required=True)
+  common.define_out()
   flags.DEFINE_enum("config", "paper", models.SIZES, "Zoo model size.")
   flags.DEFINE_list("devices", ["4", "8", "16", "32"], "Device counts.")
   flags.DEFINE_integer(

@@ -64,7 +64,7 @@ def define_flags():
   flags.DEFINE_float("learning_rate", 1e-3, "Learning rate.", lower_bound=0)
   flags.DEFINE_bool("recompute", False, "Recompute forwards in the backward.")
   flags.DEFINE_bool("verify", False, "Check loss and gradients vs one device.")
-  flags.DEFINE_string("out", None, "Output folder.", required=True)
+  common.define_out()
 
 
 def _memory_ok(value: str) -> bool:

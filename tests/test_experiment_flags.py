@@ -88,6 +88,25 @@ ROWS = [
   ("bench_overhead", ["--two_device_mlps=0:256:4"], "width:batch:micro"),
   ("bench_overhead", ["--microbatches=3"], "must divide every --mlp_batch"),
 ]
+# --out naming a file (or a path under one) once failed at the first
+# write, after the whole run: every experiment refuses it while parsing.
+ROWS += [
+  (name, [f"--out={path}"], "--out must name a folder")
+  for name in (
+    "train",
+    "plan",
+    "graph",
+    "compare_planners",
+    "pipedream",
+    "reproduce",
+    "disco_infer",
+    "disco_latency",
+    "disco_settings",
+    "bench_runtime",
+    "bench_overhead",
+  )
+  for path in (__file__, __file__ + "/below")
+]
 
 CHILD = r"""
 import importlib, json, sys
