@@ -49,6 +49,9 @@ def save(model: nnx.Module, directory: str) -> None:
   Args:
     model: a model from `disco.models`.
     directory: created if missing; existing checkpoint files are replaced.
+
+  Raises:
+    CheckpointError: `directory` cannot be a folder (a file is there).
   """
   architecture = architecture_of(model)
   arrays = {
@@ -65,7 +68,12 @@ def save(model: nnx.Module, directory: str) -> None:
       for key, value in arrays.items()
     },
   }
-  os.makedirs(directory, exist_ok=True)
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as err:  # a file, or a path under one
+    raise CheckpointError(
+      f"cannot write a checkpoint to {directory!r}: {err.strerror}"
+    ) from err
   np.savez(os.path.join(directory, ARRAYS_FILE), **arrays)
   with open(os.path.join(directory, CONFIG_FILE), "w") as file:
     json.dump(header, file, indent=1)

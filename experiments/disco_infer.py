@@ -57,6 +57,7 @@ from disco.errors import (  # noqa: E402
   require_int,
   require_number,
 )
+from disco.models import architecture_of  # noqa: E402
 
 BANDWIDTHS_BITS = tuple(float(b) for b in np.logspace(8, 11, 31))
 
@@ -126,6 +127,10 @@ def define_flags() -> None:
   common.define_flags()
 
 
+# Architectures whose held-out accuracy this experiment reports.
+CLASSIFIERS = ("resnet", "vit")
+
+
 def run(settings: Settings, out: str) -> dict:
   """The whole experiment; returns what it writes to `out`/results.json.
 
@@ -138,11 +143,19 @@ def run(settings: Settings, out: str) -> dict:
     out: output folder (created).
 
   Raises:
-    DiscoError: a checkpoint that is missing, malformed or for another
-      number of nodes or image shape; too few devices.
+    DiscoError: a checkpoint that is missing, malformed, not a
+      classifier's, or for another number of nodes or image shape; too
+      few devices.
   """
   started = time.perf_counter()
   model = checkpoint.load(settings.checkpoint)
+  architecture = architecture_of(model)
+  if architecture not in CLASSIFIERS:
+    raise DataError(
+      f"{settings.checkpoint} holds a {architecture}; disco_infer measures "
+      f"image classifiers ({', '.join(CLASSIFIERS)}); experiments."
+      "disco_train measures the other tasks' quality"
+    )
   config = model.config
   if config.num_nodes != settings.num_nodes:
     raise DistributedError(

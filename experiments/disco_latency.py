@@ -45,6 +45,11 @@ MODELS = ("resnet", "srnet")
 RESULT = "RESULT "
 
 
+def _names(text: str) -> list[str]:
+  """The names of a comma-separated flag value, blanks dropped."""
+  return [name for name in text.split(",") if name]
+
+
 def _positive_numbers(text: str) -> bool:
   try:
     values = [float(v) for v in text.split(",")]
@@ -63,6 +68,12 @@ def define_flags() -> None:
     message="--rates takes link rates > 0 (Mbit/s), separated by commas",
   )
   flags.DEFINE_string("models", ",".join(MODELS), "Models to time.")
+  flags.register_validator(
+    "models",
+    lambda text: bool(_names(text)) and set(_names(text)) <= set(MODELS),
+    message=f"--models takes one or more of {', '.join(MODELS)}, separated "
+    "by commas",
+  )
   flags.DEFINE_integer(
     "batch", 64, "The large batch (1 is always timed).", lower_bound=1
   )
@@ -241,7 +252,7 @@ def main(argv):
   if f.role == "node":
     return _node(json.loads(os.environ["DISCO_LATENCY_SETTINGS"]))
   settings = {
-    "models": [m for m in f.models.split(",") if m],
+    "models": _names(f.models),
     "batch": f.batch,
     "repeats": f.repeats,
     "comm_ratio": f.comm_ratio,
@@ -251,9 +262,6 @@ def main(argv):
     return _link(settings)
   if not f.out:
     raise app.UsageError("--out is required")
-  unknown = sorted(set(settings["models"]) - set(MODELS))
-  if unknown:
-    sys.exit(f"disco_latency: error: unknown models {unknown}: use {MODELS}")
   why = check_link_permitted()
   if why is not None:
     sys.exit(

@@ -408,6 +408,12 @@ ROWS = [
     CheckpointError,
     "not ResNetConfig",
   ),
+  (
+    "checkpoint-save-over-a-file",
+    lambda c: checkpoint.save(c.model, _write(c, "file", b"x")),
+    CheckpointError,
+    "cannot write a checkpoint to",
+  ),
   # disco.metrics / disco.distributed
   (
     "metrics-input-not-an-image",

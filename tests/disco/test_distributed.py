@@ -22,7 +22,14 @@ from jax.sharding import PartitionSpec as P
 from disco import checkpoint, distributed, hlo_bytes, metrics, prune
 from disco.errors import DiscoError, HloError
 from disco.layers import DiscoLayer
-from disco.models import ResNet, ResNetConfig, ViT, ViTConfig
+from disco.models import (
+  DeepLab,
+  ResNet,
+  ResNetConfig,
+  SegConfig,
+  ViT,
+  ViTConfig,
+)
 from disco.transformer import DiscoLayerNorm
 from graphpipe.runtime.launch import launch
 from tests.disco import distributed_worker
@@ -184,6 +191,11 @@ def test_experiment_refuses_a_checkpoint_that_does_not_match(tmp_path):
   settings = disco_infer.Settings(str(tmp_path / "ckpt"), num_nodes=4)
   with pytest.raises(DiscoError, match="split over 2 nodes"):
     disco_infer.run(settings, str(tmp_path / "out"))
+  # Not a classifier: refused by name (a numpy broadcast error before).
+  seg = SegConfig(width=8, in_channels=1, image_size=16, num_classes=10)
+  checkpoint.save(DeepLab(seg, rngs=nnx.Rngs(0)), str(tmp_path / "seg"))
+  with pytest.raises(DiscoError, match="holds a deeplab; disco_infer"):
+    disco_infer.run(disco_infer.Settings(str(tmp_path / "seg")), "unused")
   (tmp_path / "ckpt" / "arrays.npz").write_bytes(b"not an archive")
   with pytest.raises(DiscoError, match="unreadable arrays"):
     disco_infer.run(disco_infer.Settings(str(tmp_path / "ckpt")), "unused")
