@@ -52,8 +52,10 @@ class SSDConfig:
 
   @property
   def feature_sizes(self) -> tuple[int, ...]:
-    """Sides of the three feature maps (strides 4, 8, 16)."""
-    return tuple(self.image_size // s for s in (4, 8, 16))
+    """Sides of the three feature maps (strides 4, 8, 16). A stride-2
+    'SAME' conv rounds up, so a side that strides do not divide does too
+    (20 px: 5, 3, 2)."""
+    return tuple(-(-self.image_size // s) for s in (4, 8, 16))
 
 
 class SSD(nnx.Module):

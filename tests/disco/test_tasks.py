@@ -6,6 +6,7 @@ single-device masked model within 1e-5, with the compiled program's bytes
 equal to the masks' count. Sizes are tiny: each case compiles in seconds.
 """
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -137,3 +138,19 @@ def test_latency_prediction_on_a_shared_link():
   shared = metrics.LatencyModel(1e9, 100e6 / 8, 1e-4, shared=True)
   assert own.latency(report) < shared.latency(report) < 2 * own.latency(report)
   assert disco_latency.namespace_command(100, "true")[-1].endswith("&& true")
+
+
+@pytest.mark.parametrize("size", [20])
+def test_detector_boxes_match_its_default_boxes_at_any_image_size(size):
+  # Stride-2 'SAME' convs round up: at 20 px the maps are 5, 3 and 2 wide,
+  # where `feature_sizes` once said 5, 2 and 1 (114 boxes against 90 default
+  # boxes: the loss and mAP failed to broadcast).
+  scenes = data.load("detect", "shapes", scene_size=size, scenes=8)
+  model = tasks.build("detect", scenes, num_nodes=2, width=8, seed=0)
+  boxes = model(jnp.asarray(scenes.x_test[:1])).shape[1]
+  assert boxes == model.config.anchors * sum(
+    side * side for side in model.config.feature_sizes
+  )
+  outputs = model(jnp.asarray(scenes.x_test))
+  assert np.isfinite(float(tasks.loss(model)(outputs, scenes.y_test)))
+  assert 0 <= tasks.quality(model, scenes.x_test, scenes.y_test) <= 1
