@@ -25,13 +25,14 @@ same fraction (the per-layer budget).
 
 import dataclasses
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from disco.errors import PruneError
+from disco.errors import PruneError, require_int
 from disco.layers import CommMask, DiscoLayer
 
 SELECTIONS = ("magnitude", "random")
@@ -142,7 +143,8 @@ def to_ratio(
     PruneError: a ratio outside [0, 1], an unknown option, or a target that
       would keep a group already dropped.
   """
-  check_ratio(comm_ratio)
+  comm_ratio = check_ratio(comm_ratio)
+  require_int("seed", seed, 0, PruneError)
   if budget not in BUDGETS or selection not in SELECTIONS:
     raise PruneError(
       f"budget must be one of {BUDGETS} and selection one of {SELECTIONS}, "
@@ -178,20 +180,36 @@ def to_ratio(
     _set_mask(group, new)
 
 
-def check_ratio(comm_ratio: float) -> None:
-  """Raises PruneError unless 0 <= comm_ratio <= 1.
+def check_ratio(comm_ratio) -> float:
+  """`comm_ratio` as a float; PruneError unless it is a real number (a
+  Python or numpy one, or a 0-d array) in [0, 1].
 
   Example:
-    >>> check_ratio(0.2)
+    >>> check_ratio(np.float32(0.5))
+    0.5
 
   Args:
     comm_ratio: a communication ratio.
   """
-  if not (isinstance(comm_ratio, (int, float)) and 0 <= comm_ratio <= 1):
+  value = _real(comm_ratio)
+  if value is None or not 0 <= value <= 1:
     raise PruneError(
       f"communication ratio must be in [0, 1] (1 = dense, 0 = no "
       f"communication), got {comm_ratio!r}"
     )
+  return value
+
+
+def _real(value) -> float | None:
+  """`value` as a float if it is a real number (a Python, numpy or 0-d
+  array one; not a bool), else None."""
+  if isinstance(value, bool | np.bool_):
+    return None
+  if isinstance(value, numbers.Real):
+    return float(value)
+  if getattr(value, "ndim", None) == 0 and np.dtype(value.dtype).kind in "fiu":
+    return float(value)
+  return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +241,8 @@ class GradualSchedule:
   seed: int = 0
 
   def __post_init__(self):
-    check_ratio(self.target_ratio)
+    object.__setattr__(self, "target_ratio", check_ratio(self.target_ratio))
+    require_int("seed", self.seed, 0, PruneError)
     if self.steps < 1 or self.every < 1:
       raise PruneError("schedule steps and every must be at least 1")
 

@@ -25,7 +25,7 @@ import optax
 from flax import nnx
 
 from disco import prune
-from disco.errors import DataError, require_int, require_number
+from disco.errors import DataError, PruneError, require_int, require_number
 from disco.layers import CommMask
 
 
@@ -105,16 +105,29 @@ def fit(
     the mean training loss of every epoch.
 
   Raises:
-    DataError: fewer images than one batch.
+    DataError: fewer images than one batch; labels not one per image, or
+      (with `classification_loss`) not class indices of the model.
+    PruneError: a schedule longer than the run (its target would not be
+      reached).
   """
   if len(images) < config.batch_size:
     raise DataError(
       f"{len(images)} training images are fewer than one batch of "
       f"{config.batch_size}"
     )
+  if len(labels) != len(images):
+    raise DataError(f"{len(labels)} labels for {len(images)} images")
   loss_of = loss or classification_loss
+  if loss_of is classification_loss:
+    _check_classes(model, np.asarray(labels))
   steps_per_epoch = config.steps_per_epoch(len(images))
   total = config.epochs * steps_per_epoch
+  if schedule is not None and schedule.steps > total:
+    raise PruneError(
+      f"the pruning schedule takes {schedule.steps} steps, the run "
+      f"{total} ({config.epochs} epochs of {steps_per_epoch}): its target "
+      f"ratio {schedule.target_ratio} would not be reached"
+    )
   # optax needs at least one warmup step and one decay step.
   warmup = max(min(int(config.warmup_epochs * steps_per_epoch), total - 1), 1)
   learning_rates = np.asarray(
@@ -168,6 +181,23 @@ def fit(
   nnx.update(model, params, masks, rest)
   model.eval()
   return losses
+
+
+def _check_classes(model, labels: np.ndarray) -> None:
+  """DataError unless `labels` are class indices of `model` (its
+  config's `num_classes`, where it has one)."""
+  if labels.dtype.kind not in "iu":
+    raise DataError(
+      f"labels must be integer class indices, got dtype {labels.dtype}"
+    )
+  classes = getattr(getattr(model, "config", None), "num_classes", None)
+  if labels.size and (
+    labels.min() < 0 or (classes is not None and labels.max() >= classes)
+  ):
+    raise DataError(
+      f"labels must be in [0, {classes if classes is not None else 'classes'})"
+      f", got {labels.min()}..{labels.max()}"
+    )
 
 
 def accuracy(

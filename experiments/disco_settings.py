@@ -91,6 +91,7 @@ class Settings:
       "dense_epochs": 1,
       "prune_epochs": 1,  # the pruning schedule needs steps
       "finetune_epochs": 0,
+      "prune_every": 1,
       "batch_size": 1,
       "patches": 1,
       "scenes": 1,

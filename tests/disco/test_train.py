@@ -57,6 +57,51 @@ def test_fit_needs_one_batch():
     )
 
 
+@pytest.mark.parametrize(
+  "labels, error, message",
+  [
+    (np.zeros(32, int), DiscoError, "32 labels for 64 images"),
+    (np.zeros(64, np.float32), DiscoError, "integer class indices"),
+    (np.full(64, 10), DiscoError, r"in \[0, 10\), got 10..10"),
+    (np.full(64, -1), DiscoError, r"got -1..-1"),
+  ],
+)
+def test_fit_refuses_labels_that_are_not_the_models_classes(
+  labels, error, message
+):
+  # Too few labels was an IndexError, float ones an optax TypeError; labels
+  # >= num_classes trained to a NaN loss, -1 trained silently.
+  model = ResNet(ResNetConfig(), rngs=nnx.Rngs(0))
+  images = DATASET.x_train[:64]
+  with pytest.raises(error, match=message):
+    train.fit(model, images, labels, train.TrainConfig(epochs=1))
+
+
+def test_fit_refuses_a_schedule_longer_than_the_run():
+  # 1000 steps in a run of 2: it stopped at ratio 0.94 without a word.
+  model = ResNet(ResNetConfig(), rngs=nnx.Rngs(0))
+  schedule = prune.GradualSchedule(0.2, steps=1000, every=1)
+  with pytest.raises(PruneError, match="takes 1000 steps, the run 2"):
+    train.fit(
+      model,
+      DATASET.x_train,
+      DATASET.y_train,
+      train.TrainConfig(epochs=1),
+      schedule=schedule,
+    )
+
+
+def test_ratios_may_be_numpy_and_jax_numbers():
+  import jax.numpy as jnp
+
+  for ratio in (np.float32(0.5), jnp.float32(0.5), np.float64(0.5)):
+    assert prune.GradualSchedule(ratio, steps=4).target_ratio == 0.5
+    assert prune.check_ratio(ratio) == 0.5
+  for bad in (True, np.bool_(True), jnp.ones(2), "0.5"):
+    with pytest.raises(PruneError, match="must be in"):
+      prune.check_ratio(bad)
+
+
 def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
   settings = disco_train.Settings(
     dataset="synthetic",
@@ -135,6 +180,7 @@ def test_experiment_refuses_a_ratio_outside_0_1(tmp_path):
     ({"prune_epochs": 0}, "prune_epochs must be an int >= 1"),
     ({"finetune_epochs": -1}, "finetune_epochs must be an int >= 0"),
     ({"patches": 0}, "patches must be an int >= 1"),
+    ({"prune_every": 0}, "prune_every must be an int >= 1"),
     ({"validation_fraction": 1.0}, r"validation_fraction must be in \(0, 1\)"),
     ({"tolerance": float("nan")}, "tolerance must be a finite number >= 0"),
     ({"finetune_learning_rate": -1e-3}, "must be a finite number >= 0"),
