@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from disco import hlo_bytes, lowering
-from disco.errors import DistributedError
+from disco.errors import DistributedError, require_int
 from disco.exchange import AXIS
 
 ITEMSIZE = 4  # float32 weights
@@ -133,6 +133,7 @@ class DistributedModel:
     Read from the program compiled for `batch_size` (`disco.hlo_bytes`) and
     divided by it.
     """
+    require_int("batch_size", batch_size, 1, DistributedError)
     text = self.compiled(batch_size).as_text()
     total = hlo_bytes.total_bytes(text)
     if total % batch_size:

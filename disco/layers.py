@@ -263,20 +263,19 @@ class DiscoConv(DiscoLayer):
     dilation=1,
     **kwargs,
   ):
-    kernel_size = _pair(kernel_size)
-    if (
-      min(kernel_size) < 1
-      or min(_pair(strides)) < 1
-      or min(_pair(dilation)) < 1
-    ):
+    kernel_size = _pair(kernel_size, "kernel_size")
+    strides, dilation = _pair(strides, "strides"), _pair(dilation, "dilation")
+    if min(kernel_size) < 1 or min(strides) < 1 or min(dilation) < 1:
       raise ConfigError(
         "kernel size, strides and dilation must be at least 1, got "
-        f"{kernel_size}, {_pair(strides)} and {_pair(dilation)}"
+        f"{kernel_size}, {strides} and {dilation}"
       )
+    if padding not in ("SAME", "VALID"):
+      raise ConfigError(f'padding must be "SAME" or "VALID", got {padding!r}')
     super().__init__(in_features, out_features, kernel_size, **kwargs)
-    self.strides = _pair(strides)
+    self.strides = strides
     self.padding = padding
-    self.dilation = _pair(dilation)
+    self.dilation = dilation
 
   def __call__(self, x: jax.Array) -> jax.Array:
     _check_input(self, x, 4)
@@ -297,10 +296,14 @@ def _ints(values) -> tuple[int, ...]:
   return tuple(int(v) for v in values)
 
 
-def _pair(value) -> tuple[int, int]:
+def _pair(value, name: str = "size") -> tuple[int, int]:
+  """An int or (height, width) as (height, width); ConfigError otherwise."""
   if isinstance(value, int):
     return (value, value)
-  return tuple(int(v) for v in value)
+  pair = tuple(int(v) for v in value)
+  if len(pair) != 2:
+    raise ConfigError(f"{name} takes an int or (height, width), got {value}")
+  return pair
 
 
 def _check_input(layer, x, ndim) -> None:

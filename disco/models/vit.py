@@ -144,6 +144,10 @@ class ViT(nnx.Module):
   """
 
   def __init__(self, config: ViTConfig, *, rngs: nnx.Rngs):
+    if config.patch_size < 1:
+      raise ConfigError(
+        f"patch size must be at least 1, got {config.patch_size}"
+      )
     if config.image_size % config.patch_size:
       raise ConfigError(
         f"image size {config.image_size} is not a multiple of the patch "

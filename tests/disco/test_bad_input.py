@@ -25,7 +25,7 @@ from disco.errors import (
   PruneError,
 )
 from disco.layers import DiscoConv, DiscoDense
-from disco.models import ResNet, ResNetConfig
+from disco.models import ResNet, ResNetConfig, ViT, ViTConfig
 from tests.bad_input_table import table_tests
 
 
@@ -413,6 +413,36 @@ ROWS = [
     lambda c: checkpoint.save(c.model, _write(c, "file", b"x")),
     CheckpointError,
     "cannot write a checkpoint to",
+  ),
+  (
+    "conv-padding-unknown",
+    lambda c: DiscoConv(8, 4, 3, num_nodes=2, padding="FULL", rngs=nnx.Rngs(0)),
+    ConfigError,
+    'padding must be "SAME" or "VALID"',
+  ),
+  (
+    "conv-kernel-3d",
+    lambda c: DiscoConv(8, 4, (3, 3, 3), num_nodes=2, rngs=nnx.Rngs(0)),
+    ConfigError,
+    r"kernel_size takes an int or \(height, width\)",
+  ),
+  (
+    "vit-patch-size-0",
+    lambda c: ViT(ViTConfig(patch_size=0), rngs=nnx.Rngs(0)),
+    ConfigError,
+    "patch size must be at least 1",
+  ),
+  (
+    "prune-seed-negative",
+    lambda c: prune.to_ratio(dense(), 0.5, selection="random", seed=-1),
+    PruneError,
+    "seed must be an int >= 0",
+  ),
+  (
+    "distributed-bytes-batch-0",
+    lambda c: distributed.distribute(c.model).bytes_per_inference(0),
+    DistributedError,
+    "batch_size must be an int >= 1",
   ),
   # disco.metrics / disco.distributed
   (
