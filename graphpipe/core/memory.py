@@ -50,10 +50,13 @@ KINDS = (
   "work",
   "tables",
 )
-# The kinds that grow with the model's weights: what `graphpipe.tightest_plan`
-# squeezes (a tiny model's stashes and bookkeeping say little about a
-# real model of its shape, whose weights force it onto more devices).
+# The kinds that grow with the model's weights.
 MODEL_KINDS = ("parameters", "gradients", "optimizer", "state")
+# The kinds that grow with the model's shape and its micro-batches: what
+# `graphpipe.tightest_plan` squeezes (the step's bookkeeping, its tick
+# tables, channels and batch rows, dominates a tiny model and says nothing
+# about a real model of its shape).
+SHAPE_KINDS = (*MODEL_KINDS, "stashes", "work")
 
 
 def stage_memory_bytes(
@@ -62,24 +65,40 @@ def stage_memory_bytes(
   micro_batch_per_device: float,
   in_flight: int,
   optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS,
+  kinds: Sequence[str] = KINDS,
 ) -> float:
-  """Bytes a stage alone makes every device hold (`device_bytes`' kinds).
+  """Bytes of `kinds` a stage alone makes every device hold
+  (`device_bytes`' kinds).
 
   Its parameters (slots at least that large on every device), their
   gradients (accumulator and result), optimizer slots and the work term
   (parameter gradients and their slots: 2 x parameters, plus the largest
   action's transient), its non-trainable state, and the residuals the
   runtime stashes (`Node.kept_bytes`) of `in_flight` micro-batches of
-  `micro_batch_per_device` samples. A lower bound of `plan_memory` for any
-  plan with this stage, so the DPs prune with it.
+  `micro_batch_per_device` samples; channels, batch rows and tables are
+  the plan's, not a stage's. Each kind is a lower bound of that kind in
+  `plan_memory` for any plan with this stage, so the sum over `kinds`
+  bounds `largest_of(kinds)` and the DPs prune with it.
   """
   params = sum(graph.nodes[i].param_bytes for i in nodes)
-  state = sum(graph.nodes[i].state_bytes for i in nodes)
-  saved = sum(
-    graph.nodes[i].cost("kept_bytes", micro_batch_per_device) for i in nodes
+  state = 0
+  if "state" in kinds:
+    state = sum(graph.nodes[i].state_bytes for i in nodes)
+  saved = 0.0
+  if "stashes" in kinds:
+    saved = sum(
+      graph.nodes[i].cost("kept_bytes", micro_batch_per_device) for i in nodes
+    )
+  work = 0
+  if "work" in kinds:
+    work = work_bytes(graph, nodes, micro_batch_per_device)
+  per_param = (
+    ("parameters" in kinds)
+    + 2 * ("gradients" in kinds)
+    + optimizer_slots * ("optimizer" in kinds)
+    + 2 * ("work" in kinds)
   )
-  work = work_bytes(graph, nodes, micro_batch_per_device)
-  return params * (5 + optimizer_slots) + work + state + saved * in_flight
+  return params * per_param + work + state + saved * in_flight
 
 
 @dataclasses.dataclass(frozen=True)

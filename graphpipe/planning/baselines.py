@@ -44,7 +44,12 @@ import numpy as np
 
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import DEFAULT_OPTIMIZER_SLOTS
-from graphpipe.planning.candidates import Partition, distinct, frontier
+from graphpipe.planning.candidates import (
+  DEPTH_GRID,
+  Partition,
+  distinct,
+  frontier,
+)
 from graphpipe.planning.stage_costs import StageCosts
 
 _INF = 1 << 40
@@ -168,8 +173,11 @@ class _RangeCosts:
     first, last = np.triu_indices(n)
     inside = np.full((n, n), False)
     inside[first, last] = True
+    kinds = costs.memory_kinds
     params = _range_sums([graph.nodes[v].param_bytes for v in order])
-    state = _range_sums([graph.nodes[v].state_bytes for v in order])
+    state = _range_sums(
+      [graph.nodes[v].state_bytes * ("state" in kinds) for v in order]
+    )
     incoming, outgoing = chain.boundary()
     shape = (n, n, len(self.counts))
     self.time_per_sample = np.full(shape, np.inf)
@@ -177,13 +185,37 @@ class _RangeCosts:
     self.capacity = np.zeros(shape, dtype=np.int64)
     # Never let float rounding admit a stage the shared memory rule refuses.
     budget = costs.memory_bytes * (1 - 1e-9)
-    static = params * (2 + DEFAULT_OPTIMIZER_SLOTS) + state
+    # `stage_memory_bytes` over ranges, of the kinds the budget bounds (a
+    # bound that left out the work term and a gradient copy let ranges
+    # that `in_flight_capacity` refuses win the DP, and hid the chains
+    # that fit).
+    per_param = (
+      ("parameters" in kinds)
+      + 2 * ("gradients" in kinds)
+      + DEFAULT_OPTIMIZER_SLOTS * ("optimizer" in kinds)
+      + 2 * ("work" in kinds)
+    )
     for i, k in enumerate(self.counts):
       share = costs.share(micro_batch, k)
+      work = np.zeros((n, n))
+      if "work" in kinds:
+        work = np.ceil(
+          _range_sums(
+            [
+              graph.nodes[v].cost("saved_bytes", share)
+              + 2 * graph.nodes[v].cost("activation_bytes", share)
+              for v in order
+            ]
+          )
+        )
+      static = params * per_param + work + state
       fwd, bwd = costs.node_times(share)
       compute = _range_sums([fwd[v] + bwd[v] for v in order])
       saved = _range_sums(
-        [graph.nodes[v].cost("kept_bytes", share) for v in order]
+        [
+          graph.nodes[v].cost("kept_bytes", share) * ("stashes" in kinds)
+          for v in order
+        ]
       )
       comm = np.zeros((n, n))
       for f, z in zip(first, last, strict=True):
@@ -310,9 +342,12 @@ class GPipePartitioner:
     >>> costs = StageCosts(graph, AnalyticCostModel(device_spec("v100")),
     ...                    batch_size=8, num_devices=8, memory_bytes=16e9)
     >>> partitions = GPipePartitioner(graph, costs)(4)    # b = 4
-    >>> partitions[1].stages        # 4 balanced stages, 2 replicas each
+    >>> twice = [p for p in partitions if p.stages[0][1] == 2]
+    >>> twice[0].stages             # 4 balanced stages, 2 replicas each
     (((0, 1), 2), ((2, 3), 2), ((4, 5), 2), ((6, 7, 8), 2))
-    >>> partitions[1].schedule
+    >>> [len(p.stages) for p in twice[:4]]   # and under smaller depths
+    [4, 3, 2, 1]
+    >>> twice[0].schedule
     'gpipe'
 
   Args:
@@ -325,7 +360,9 @@ class GPipePartitioner:
     self.chains = [_Chain(o, costs) for o in linearisations(graph)]
 
   def __call__(self, micro_batch: int) -> list[Partition]:
-    """One partition per (linearisation, replica count) that fits."""
+    """Per (linearisation, replica count), the balanced cut under each
+    depth bound of `DEPTH_GRID` up to the devices (the fastest cut may not
+    fit a device's memory where a shallower one does)."""
     costs = self.costs
     in_flight = costs.batch_size // micro_batch
     out = []
@@ -334,8 +371,13 @@ class GPipePartitioner:
         if micro_batch % replicas:
           continue
         most = min(costs.num_devices // replicas, len(chain.order))
-        stages = self._balanced(chain, micro_batch, replicas, most, in_flight)
-        if stages is not None:
+        bounds = [d for d in DEPTH_GRID if d < most] + [most]
+        for bound in bounds[::-1]:
+          stages = self._balanced(
+            chain, micro_batch, replicas, bound, in_flight
+          )
+          if stages is None:
+            break  # fewer stages do not fit either
           out.append(
             Partition(
               tuple((nodes, replicas) for nodes in stages),
@@ -344,7 +386,7 @@ class GPipePartitioner:
               schedule="gpipe",
             )
           )
-    return out
+    return distinct(out)
 
   def _balanced(self, chain, b, replicas, most, in_flight):
     length = len(chain.order)

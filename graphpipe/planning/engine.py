@@ -101,7 +101,9 @@ def run_search(
   """
   if padding_tolerance is None:
     padding_tolerance = PADDING_TOLERANCE
-  costs = StageCosts(graph, cost_model, batch_size, num_devices, memory_bytes)
+  costs = StageCosts(
+    graph, cost_model, batch_size, num_devices, memory_bytes, memory_kinds
+  )
   partitioners = [_partitioner(graph, planner, costs, piper_budget)]
   if max_padding is not None and planner == "graphpipe":
     # A chain is a graph pipeline too: under a padding limit the even

@@ -19,7 +19,7 @@ import numpy as np
 
 from graphpipe.core.cost_model import CostModel
 from graphpipe.core.graph import OpGraph
-from graphpipe.core.memory import stage_memory_bytes
+from graphpipe.core.memory import KINDS, stage_memory_bytes
 from graphpipe.core.stages import Plan
 
 
@@ -60,6 +60,8 @@ class StageCosts:
     batch_size: samples per iteration.
     num_devices: devices the plan may use.
     memory_bytes: capacity of one device.
+    memory_kinds: the kinds of `graphpipe.core.memory.KINDS` that
+      `memory_bytes` bounds (`graphpipe.plan`'s `memory_kinds`).
   """
 
   def __init__(
@@ -69,8 +71,10 @@ class StageCosts:
     batch_size: int,
     num_devices: int,
     memory_bytes: float,
+    memory_kinds: Sequence[str] = KINDS,
   ):
     self.graph = graph
+    self.memory_kinds = tuple(memory_kinds)
     self.cost_model = cost_model
     self.batch_size = batch_size
     self.num_devices = num_devices
@@ -195,8 +199,11 @@ class StageCosts:
     key = ("cap", tuple(nodes), share)
     if key not in self._cache:
       nodes = list(nodes)
-      static = stage_memory_bytes(self.graph, nodes, share, 0)
-      per_flight = stage_memory_bytes(self.graph, nodes, share, 1) - static
+      kinds = {"kinds": self.memory_kinds}
+      static = stage_memory_bytes(self.graph, nodes, share, 0, **kinds)
+      per_flight = (
+        stage_memory_bytes(self.graph, nodes, share, 1, **kinds) - static
+      )
       room = self.memory_bytes - static
       if room < 0:
         cap = -1
@@ -206,7 +213,8 @@ class StageCosts:
         cap = int(room // per_flight)
         # Rounding must never let the planner exceed the shared rule.
         while cap > 0 and (
-          stage_memory_bytes(self.graph, nodes, share, cap) > self.memory_bytes
+          stage_memory_bytes(self.graph, nodes, share, cap, **kinds)
+          > self.memory_bytes
         ):
           cap -= 1
       self._cache[key] = cap

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from graphpipe.core.graph import OpGraph
-from graphpipe.core.memory import KINDS, MODEL_KINDS, plan_memory
+from graphpipe.core.memory import KINDS, SHAPE_KINDS, plan_memory
 from graphpipe.core.stages import Plan
 from graphpipe.costs import AnalyticCostModel, DeviceSpec, device_spec
 from graphpipe.planning.arguments import check_arguments, searched_sizes
@@ -36,9 +36,11 @@ def tightest_plan(
   Small models fit one device, so a planner happily replicates them; under
   the tightest memory budget it must cut them into as many stages as a real
   model of their shape would need. The budget bounds the kinds of memory
-  that grow with a model (`graphpipe.core.memory.MODEL_KINDS`): the step's
-  fixed bookkeeping (tick tables, channels, the batch) dominates a tiny
-  model and says nothing about its shape. Experiments and tests use this to run
+  that grow with a model and its micro-batches (weights, their gradients
+  and optimizer state, stashes, transient work:
+  `graphpipe.core.memory.SHAPE_KINDS`): the step's fixed bookkeeping (tick
+  tables, channels, the batch) dominates a tiny model and says nothing
+  about its shape. Experiments and tests use this to run
   real pipelines on tiny models. Binary search over the budget (feasibility
   grows with memory).
 
@@ -67,12 +69,12 @@ def tightest_plan(
   unlimited = unlimited_plan(*args, sizes, piper_budget)
   peak = math.inf
   if unlimited is not None:
-    peak = float(plan_memory(graph, unlimited).largest_of(MODEL_KINDS))
+    peak = float(plan_memory(graph, unlimited).largest_of(SHAPE_KINDS))
   high = peak if math.isfinite(peak) else 8.0 * graph.totals()["param_bytes"]
   low, high, found = 1.0, high + 1e6, False
   for _ in range(steps):
     middle = (low + high) / 2
-    if peak <= middle or fits(*args, middle, sizes, MODEL_KINDS, piper_budget):
+    if peak <= middle or fits(*args, middle, sizes, SHAPE_KINDS, piper_budget):
       high, found = middle, True
     else:
       low = middle
@@ -83,6 +85,6 @@ def tightest_plan(
     num_devices,
     batch_size,
     memory_bytes=high,
-    memory_kinds=MODEL_KINDS,
+    memory_kinds=SHAPE_KINDS,
     **kwargs,
   )

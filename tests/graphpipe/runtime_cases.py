@@ -9,7 +9,8 @@ import optax
 import pytest
 from flax import nnx
 
-from graphpipe import models, tightest_plan
+from graphpipe import models, plan, tightest_plan
+from graphpipe.core.memory import SHAPE_KINDS, plan_memory
 from graphpipe.costs import device_spec
 from graphpipe.models import capture_zoo
 
@@ -37,9 +38,24 @@ def tiny_graph(name):
 
 
 @functools.cache
-def pipeline_plan(name, num_devices, planner):
-  """The planner's plan for a tiny model under the tightest memory."""
-  return tightest_plan(tiny_graph(name), num_devices, BATCH, planner, SLOW)
+def pipeline_plan(name, num_devices, planner, room=1):
+  """The planner's plan for a tiny model under `room` times the tightest
+  memory (`tightest_plan`: deep pipelines, one device a stage where the
+  model's shape needs them all); room 2 leaves space for data-parallel
+  stages."""
+  graph = tiny_graph(name)
+  tightest = tightest_plan(graph, num_devices, BATCH, planner, SLOW)
+  if room == 1:
+    return tightest
+  return plan(
+    graph,
+    num_devices,
+    BATCH,
+    planner=planner,
+    device=SLOW,
+    memory_bytes=room * plan_memory(graph, tightest).largest_of(SHAPE_KINDS),
+    memory_kinds=SHAPE_KINDS,
+  )
 
 
 def model_and_batch(name, seed=0):

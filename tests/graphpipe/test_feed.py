@@ -90,7 +90,8 @@ def test_every_device_reads_back_its_own_rows_of_every_leaf():
 
 def test_devices_are_fed_their_own_rows_of_what_their_stage_reads():
   graph = rc.tiny_graph("dlrm")  # many leaves, each read by one branch
-  plan = rc.pipeline_plan("dlrm", 8, "graphpipe")
+  plan = rc.pipeline_plan("dlrm", 8, "graphpipe", room=2)  # replicas too
+  assert max(len(s.devices) for s in plan.stages) > 1
   sample = {
     i.name: np.prod(i.shape, dtype=int) * jnp.dtype(i.dtype).itemsize
     for i in graph.inputs

@@ -31,6 +31,11 @@ COVER = [
   # Piper plans the two-branch model (few down-sets); it gives up on the
   # many-branch ones, so it is not in the full matrix.
   ("two_branch", 4, "piper"),
+  # Twice the tightest memory: data-parallel stages in graph and
+  # sequential pipelines (under the tightest, stages have one device).
+  ("candle_uno", 8, "graphpipe", 2),
+  ("dlrm", 8, "graphpipe", 2),
+  ("two_branch", 2, "gpipe", 2),
 ]
 FULL = [
   (m, d, p)
@@ -62,7 +67,8 @@ print(f"runtime matrix: seed {SEED}, drawn {sorted(DRAWN)}", file=sys.stderr)
 
 def _case(case):
   if case in COVER:
-    return pytest.param(*case, id="-".join(map(str, case)))
+    room = case[3:] or (1,)
+    return pytest.param(*case[:3], *room, id="-".join(map(str, case)))
   drawn = case in DRAWN
   marks = (
     ()
@@ -72,15 +78,19 @@ def _case(case):
     )
   )
   tag = f"seed-{SEED}-" if drawn else ""
-  return pytest.param(*case, id=tag + "-".join(map(str, case)), marks=marks)
+  return pytest.param(*case, 1, id=tag + "-".join(map(str, case)), marks=marks)
 
 
 CASES = [_case(c) for c in dict.fromkeys(COVER + FULL)]
 
 
-@pytest.mark.parametrize("name,num_devices,planner", CASES)
-def test_loss_grads_and_three_steps_equal_plain_jax(name, num_devices, planner):
-  plan = rc.pipeline_plan(name, num_devices, planner)
+@pytest.mark.parametrize("name,num_devices,planner,room", CASES)
+def test_loss_grads_and_three_steps_equal_plain_jax(
+  name, num_devices, planner, room
+):
+  plan = rc.pipeline_plan(name, num_devices, planner, room)
+  if room > 1:
+    assert max(len(s.devices) for s in plan.stages) > 1
   graph = rc.tiny_graph(name)
   model, batch = rc.model_and_batch(name)
   # Adam turns round-off in near-zero gradient elements into full-size
