@@ -76,6 +76,14 @@ def put(
   for name, (_, x) in zip(names, leaves, strict=True):
     spec = specs[name]
     want = (batch_size,) + tuple(spec.shape)
+    if (
+      isinstance(x, np.ndarray)
+      and str(x.dtype) != spec.dtype
+      and str(jax.dtypes.canonicalize_dtype(x.dtype)) == spec.dtype
+    ):
+      # As JAX takes it (and `capture` did): int64 / float64 numpy values
+      # as int32 / float32 without 64-bit mode.
+      x = x.astype(spec.dtype)
     if tuple(x.shape) != want or str(x.dtype) != spec.dtype:
       raise PipelineRuntimeError(
         f"batch leaf {name!r} is {x.dtype}{list(x.shape)}; the plan "

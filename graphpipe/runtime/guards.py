@@ -74,3 +74,30 @@ def check_fingerprint(plan: Plan, graph: OpGraph) -> None:
       "this plan was made for another graph (fingerprints differ): plan "
       "the captured graph you train"
     )
+
+
+def check_state(state, expected) -> None:
+  """Refuses what is not a live state of this trainer: not a TrainState,
+  a state whose buffers an earlier step consumed (stepping one crashed the
+  process), or one of another plan or optimizer (its arrays differ from
+  `expected`, the trainer's abstract state)."""
+  if type(state).__name__ != "TrainState" or not isinstance(state, tuple):
+    raise PipelineRuntimeError(
+      f"takes the TrainState of init/restore/step, got {type(state).__name__}"
+    )
+  leaves = jax.tree.leaves(state)
+  if any(getattr(x, "is_deleted", lambda: False)() for x in leaves):
+    raise PipelineRuntimeError(
+      "this state was consumed by a step (its buffers were donated to the "
+      "state that step returned): use the returned state"
+    )
+  got = jax.tree.structure(state), [(x.shape, x.dtype) for x in leaves]
+  want = (
+    jax.tree.structure(expected),
+    [(x.shape, x.dtype) for x in jax.tree.leaves(expected)],
+  )
+  if got != want:
+    raise PipelineRuntimeError(
+      "this state is not one of this trainer's (its arrays differ from "
+      "what this plan and optimizer hold): a state of another Trainer?"
+    )

@@ -247,11 +247,7 @@ class Trainer:
     optimizer state, step count); with `stop_on_nan` it raises
     `PipelineRuntimeError` instead, the unchanged state in its `.state`.
     """
-    if not isinstance(state, TrainState):
-      raise PipelineRuntimeError(
-        f"step takes the TrainState of init/restore/step, got "
-        f"{type(state).__name__}"
-      )
+    self._check_state(state)
     batch = self.put_batch(batch).words
     die_at = faults.armed("step")
     if die_at is not None and die_at == int(_first_shard(state.step)):
@@ -272,6 +268,7 @@ class Trainer:
 
   def loss_and_grads(self, state: TrainState, batch) -> tuple[float, dict]:
     """The pipelined loss and gradients by 'param:' key (no update)."""
+    self._check_state(state)
     # The step consumes its state; it gets a copy, so `state` stays usable.
     state = jax.tree.map(jnp.copy, state)
     _, metrics, grads = self._step(state, self.put_batch(batch).words)
@@ -279,6 +276,7 @@ class Trainer:
 
   def params(self, state: TrainState) -> dict:
     """Current parameters by 'param:' key, gathered to the host."""
+    self._check_state(state)
     return self._gather(state.params)
 
   def update_model(self, model, state: TrainState):
@@ -303,6 +301,7 @@ class Trainer:
     (`graphpipe.runtime.checkpoints`): a crash midway leaves a folder
     that `restore` refuses and `checkpoints.latest` skips.
     """
+    self._check_state(state)
     checkpoints.save(self, state, directory)
 
   def restore(self, directory: str) -> TrainState:
@@ -321,6 +320,11 @@ class Trainer:
         list(self.buffers.state.sizes),
       ],
     }
+
+  def _check_state(self, state) -> None:
+    if getattr(self, "_expected", None) is None:
+      self._expected = self._abstract_state()
+    guards.check_state(state, self._expected)
 
   def _abstract_state(self) -> TrainState:
     rows = lambda shape: jax.ShapeDtypeStruct(

@@ -37,6 +37,13 @@ def ctx(tmp_path_factory):
   return Ctx(tmp_path_factory.mktemp("bad_input"))
 
 
+def _consumed(c):
+  """A state a step has consumed (its buffers donated)."""
+  state = c.state()
+  c.trainer.step(state, BATCH)
+  return state
+
+
 def _file(path: str) -> str:
   """`path`, made an ordinary file (where a checkpoint folder would go)."""
   with open(path, "w") as f:
@@ -128,6 +135,34 @@ ROWS = [
     "takes the TrainState",
   ),
   (
+    "step-consumed-state",  # a segmentation fault in XLA before
+    lambda c: c.trainer.step(_consumed(c), BATCH),
+    PipelineRuntimeError,
+    "consumed by a step",
+  ),
+  (
+    "params-consumed-state",
+    lambda c: c.trainer.params(_consumed(c)),
+    PipelineRuntimeError,
+    "consumed by a step",
+  ),
+  (
+    "step-state-of-another-optimizer",  # an AttributeError in optax
+    lambda c: graphpipe.Trainer(c.plan, optax.adam(0.1), graph=c.graph).step(
+      c.state(), BATCH
+    ),
+    PipelineRuntimeError,
+    "not one of this trainer's",
+  ),
+  (
+    "save-state-of-another-plan",  # wrote a checkpoint no one could read
+    lambda c: graphpipe.Trainer(
+      graphpipe.plan(c.graph, 1, 16), optax.sgd(0.1), graph=c.graph
+    ).save(c.state(), os.path.join(c.folder, "other-plan")),
+    PipelineRuntimeError,
+    "not one of this trainer's",
+  ),
+  (
     "step-missing-leaf",
     lambda c: c.trainer.step(c.state(), {"x": BATCH["x"]}),
     PipelineRuntimeError,
@@ -154,7 +189,7 @@ ROWS = [
   (
     "step-wrong-dtype",
     lambda c: c.trainer.step(
-      c.state(), with_leaf("x", BATCH["x"].astype(np.float64))
+      c.state(), with_leaf("x", BATCH["x"].astype(np.int32))
     ),
     PipelineRuntimeError,
     "the plan needs float32",
@@ -311,3 +346,12 @@ def test_corrupted_checkpoint_bytes_are_never_silently_restored(ctx):
     with open(path, "wb") as f:
       f.write(raw)
   assert refused >= 1  # the file that holds the arrays is checked
+
+
+def test_64_bit_numpy_batches_are_taken_as_jax_takes_them(ctx):
+  # capture took float64 / int64 numpy leaves as JAX does (32-bit without
+  # x64 mode); step refused the very batch capture had taken.
+  wide = {k: v.astype(np.float64) for k, v in BATCH.items()}
+  _, got = ctx.trainer.step(ctx.state(), wide)
+  _, want = ctx.trainer.step(ctx.state(), BATCH)
+  assert got["loss"] == want["loss"]
