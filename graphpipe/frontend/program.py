@@ -223,9 +223,13 @@ class Program:
     keys = [k for k in self.input_keys if k.startswith(("param:", "state:"))]
     return dict(zip(keys, leaves, strict=True))
 
-  def unflatten_params(self, values: dict[str, object]):
-    """Parameters by 'param:' key -> the user's structure (nnx.State...)."""
+  def unflatten_params(self, values: dict[str, object], fallback=None):
+    """Parameters by 'param:' key -> the user's structure (nnx.State...);
+    keys `values` lacks (parameters no node reads) are taken from the
+    variables `fallback` (KeyError without)."""
     keys = [k for k in self.input_keys if k.startswith("param:")]
+    if fallback is not None and any(k not in values for k in keys):
+      values = {**self.variable_values(fallback), **values}
     return self._unflatten_params([values[k] for k in keys])
 
   def evaluate(self, variables, batch):

@@ -283,14 +283,30 @@ class Trainer:
     """Writes the trained parameters into an NNX model (in place)."""
     from flax import nnx
 
-    nnx.update(model, self.graph.program.unflatten_params(self.params(state)))
+    if not isinstance(model, nnx.Module):
+      raise PipelineRuntimeError(
+        f"update_model takes the NNX model, got {type(model).__name__} (for "
+        "linen: trainer.variables(state, variables))"
+      )
+    nnx.update(model, self._trained(state, model))
     return model
 
   def variables(self, state: TrainState, variables=None) -> dict:
     """Linen variables with the trained parameters."""
     out = dict(variables or {})
-    out["params"] = self.graph.program.unflatten_params(self.params(state))
+    out["params"] = self._trained(state, variables)
     return out
+
+  def _trained(self, state: TrainState, base):
+    """The trained parameters in the user's structure; parameters the loss
+    never reads (no stage holds them) keep their values in `base`."""
+    try:
+      return self.graph.program.unflatten_params(self.params(state), base)
+    except KeyError as err:
+      raise PipelineRuntimeError(
+        f"the loss never reads {err.args[0]}, so no stage holds it: pass "
+        "the variables to take it from"
+      ) from None
 
   # Checkpoints.
 

@@ -197,3 +197,39 @@ def test_data_parallel_stage_replicas_stay_bit_identical(setup):
     for x in rows:
       if x.ndim and x.shape[0] == plan.num_devices:
         np.testing.assert_array_equal(x[first], x[second])
+
+
+class WithSpareHead(nnx.Module):
+  """Two layers the loss reads and one it never does (a spare head)."""
+
+  def __init__(self):
+    self.a = nnx.Linear(4, 8, rngs=nnx.Rngs(0))
+    self.b = nnx.Linear(8, 1, rngs=nnx.Rngs(1))
+    self.spare = nnx.Linear(3, 3, rngs=nnx.Rngs(2))
+
+  def __call__(self, x):
+    return self.b(nnx.relu(self.a(x)))
+
+
+def test_parameters_the_loss_never_reads_keep_their_values():
+  # update_model raised a KeyError for them ('param:spare.bias').
+  batch = {"x": np.ones((BATCH, 4), np.float32)}
+  batch["y"] = np.zeros((BATCH, 1), np.float32)
+  model = WithSpareHead()
+
+  def loss(m, b):
+    return jnp.mean((m(b["x"]) - b["y"]) ** 2)
+
+  graph = graphpipe.capture(loss, model, batch)
+  plan = graphpipe.tightest_plan(graph, 2, BATCH)
+  trainer = graphpipe.Trainer(plan, optax.sgd(0.1), graph=graph)
+  spare = np.asarray(model.spare.kernel[...])
+  before = np.asarray(model.a.kernel[...])
+  state, _ = trainer.step(trainer.init(model), batch)
+  trainer.update_model(model, state)
+  assert not np.array_equal(np.asarray(model.a.kernel[...]), before)
+  np.testing.assert_array_equal(np.asarray(model.spare.kernel[...]), spare)
+  with pytest.raises(graphpipe.PipelineRuntimeError, match="never reads"):
+    trainer.variables(state)
+  with pytest.raises(graphpipe.PipelineRuntimeError, match="takes the NNX"):
+    trainer.update_model({"params": {}}, state)
