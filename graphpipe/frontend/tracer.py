@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.core import unfreeze
 
 from graphpipe.core.graph import Edge, InputSpec, Node, OpGraph
 from graphpipe.errors import CaptureError, GraphCutError
@@ -84,7 +85,7 @@ class _Bound:
         )
       self.framework = "linen"
       self.module = model
-      variables = dict(variables)
+      variables = unfreeze(variables)  # a FrozenDict as a dict
       self.params = variables.pop("params", {})
       self.state = variables
       self.param_names = _leaf_names(self.params)
@@ -131,7 +132,7 @@ class _Bound:
         nnx.merge(self.graphdef, variables), nnx.Param, ...
       )
       return params, state
-    variables = dict(variables)
+    variables = unfreeze(variables)
     return variables.pop("params", {}), variables
 
 

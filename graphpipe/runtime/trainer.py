@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -218,7 +219,7 @@ class Trainer:
     """
     from flax import nnx
 
-    if not isinstance(model_or_variables, nnx.Module | dict):
+    if not isinstance(model_or_variables, nnx.Module | Mapping):
       raise PipelineRuntimeError(
         "init takes the NNX model (or linen variables dict) the graph was "
         f"captured from, got {type(model_or_variables).__name__}"

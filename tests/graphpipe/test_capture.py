@@ -1,9 +1,11 @@
 """Capture: grouping, exact node-by-node evaluation, costs, bad input."""
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -192,6 +194,24 @@ def test_nnx_and_linen_graphs_have_the_same_shape():
     rtol=1e-6,
   )
   assert {n.name for n in linen_graph.nodes} >= {"left_0", "right_1", "head"}
+  # FrozenDict variables (older flax's init) and plain dicts are one model:
+  # a graph captured from either evaluates and trains from both (the
+  # frozen one was refused by init, the other by its structure).
+  frozen = flax.core.freeze(variables)
+  frozen_graph = graphpipe.capture(
+    xent, module, batch, variables=frozen, granularity=1
+  )
+  want = xent(module.bind(variables), batch)
+  trainer = graphpipe.Trainer(
+    graphpipe.plan(frozen_graph, 1, len(batch["x"])),
+    optax.sgd(0.1),
+    graph=frozen_graph,
+  )
+  for given in (variables, frozen):
+    np.testing.assert_allclose(frozen_graph.evaluate(given, batch), want, 1e-6)
+    np.testing.assert_allclose(linen_graph.evaluate(given, batch), want, 1e-6)
+    loss, _ = trainer.loss_and_grads(trainer.init(given), batch)
+    assert loss == pytest.approx(float(want), rel=1e-5)
 
 
 def test_abstract_model_capture_allocates_nothing():
