@@ -21,7 +21,7 @@ from graphpipe.runtime.layout import build_layout
 from graphpipe.runtime.memory import runtime_report
 from graphpipe.runtime.step import AXIS, StepBuilder
 from graphpipe.schedules.builders import schedule_for
-from graphpipe.schedules.checker import check_schedule
+from graphpipe.schedules.checker import built_for, check_schedule
 
 
 class TrainState(NamedTuple):
@@ -132,6 +132,11 @@ class Trainer:
     if schedule is None or isinstance(schedule, str):
       schedule = schedule_for(plan, schedule)
     check_schedule(schedule)
+    if not built_for(schedule, plan):
+      raise PipelineRuntimeError(
+        "the schedule was built for another plan (stages, devices, edges "
+        "or micro-batch counts differ): build it with schedule_for(plan)"
+      )
     self.schedule = schedule
     self.mesh = (
       mesh if mesh is not None else guards.default_mesh(plan.num_devices, AXIS)

@@ -187,3 +187,14 @@ def check_schedule(schedule: Schedule) -> None:
           devices[0],
           tick,
         )
+
+
+def built_for(schedule: Schedule, plan) -> bool:
+  """Whether `schedule` was built for `plan`: the same stages on the same
+  devices, the same stage edges and micro-batch counts."""
+  return (
+    schedule.stage_devices == tuple(tuple(s.devices) for s in plan.stages)
+    and set(schedule.stage_edges) == set(map(tuple, plan.stage_edges))
+    and tuple(schedule.microbatches(s) for s in range(plan.num_stages))
+    == plan.stage_microbatches
+  )

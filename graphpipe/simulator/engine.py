@@ -41,7 +41,7 @@ from graphpipe.core.stages import Plan
 from graphpipe.costs.analytic import AnalyticCostModel, device_spec
 from graphpipe.errors import SimulationError
 from graphpipe.schedules.builders import schedule_for
-from graphpipe.schedules.checker import check_schedule
+from graphpipe.schedules.checker import built_for, check_schedule
 from graphpipe.schedules.grid import (
   BACKWARD,
   FORWARD,
@@ -452,13 +452,7 @@ def _check_fit(plan: Plan, graph: OpGraph, schedule: Schedule) -> None:
       f"nodes 0..{len(graph.nodes) - 1}: every node must be in exactly one "
       "stage (re-plan for this graph)"
     )
-  same = (
-    schedule.stage_devices == tuple(tuple(s.devices) for s in plan.stages)
-    and set(schedule.stage_edges) == set(map(tuple, plan.stage_edges))
-    and tuple(schedule.microbatches(s) for s in range(plan.num_stages))
-    == plan.stage_microbatches
-  )
-  if not same:
+  if not built_for(schedule, plan):
     raise SimulationError(
       "the schedule was built for another plan (stages, devices, edges or "
       "micro-batch counts differ): build it with schedule_for(plan)"

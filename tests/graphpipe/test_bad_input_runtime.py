@@ -85,6 +85,17 @@ ROWS = [
     "needs the captured graph",
   ),
   (
+    "trainer-schedule-of-another-plan",  # a KeyError from the layout
+    lambda c: graphpipe.Trainer(
+      c.plan,
+      optax.sgd(0.1),
+      graph=c.graph,
+      schedule=graphpipe.schedule_for(graphpipe.plan(c.graph, 1, 16)),
+    ),
+    PipelineRuntimeError,
+    "built for another plan",
+  ),
+  (
     "trainer-more-devices-than-jax-has",
     lambda c: graphpipe.Trainer(
       graphpipe.Plan(
