@@ -92,7 +92,10 @@ def put(
     host[name] = x
   if packer is not None and all(_on(x, sharding) for x in host.values()):
     # Already on the trainer's devices (replicated, or sharded any way,
-    # across processes too): packed there, each device its own row.
+    # across processes too): packed there, each device its own row. A
+    # leaf laid out over them in another order is moved onto the
+    # trainer's mesh first (jit refuses devices in another order).
+    host = {name: _in_mesh_order(x, sharding) for name, x in host.items()}
     return FedBatch(packer(host), tuple(feeds))
   host = {name: _host(x, name) for name, x in host.items()}
 
@@ -162,6 +165,21 @@ def _on(x, sharding) -> bool:
   return isinstance(x, jax.Array) and x.sharding.device_set == (
     sharding.device_set
   )
+
+
+def _in_mesh_order(x, sharding):
+  """`x`, replicated on `sharding`'s mesh unless its devices already come
+  in that mesh's order."""
+  order = tuple(sharding.mesh.devices.flat)
+  mesh = getattr(x.sharding, "mesh", None)
+  if mesh is not None and tuple(mesh.devices.flat) == order:
+    return x
+  if len(x.sharding.device_set) == 1 and len(order) == 1:
+    return x
+  everywhere = jax.sharding.NamedSharding(
+    sharding.mesh, jax.sharding.PartitionSpec()
+  )
+  return jax.device_put(x, everywhere)
 
 
 def _host(x, name: str) -> np.ndarray:

@@ -127,6 +127,13 @@ def test_a_batch_put_once_steps_like_the_batch_itself():
     np.testing.assert_array_equal(
       np.asarray(trainer.put_batch(on_mesh).words), np.asarray(put.words)
     )
+  # The trainer's devices in another order (jit refused it: "incompatible
+  # devices for jitted computation").
+  reversed_mesh = Mesh(trainer.mesh.devices[::-1], (axis,))
+  on_reversed = jax.device_put(batch, NamedSharding(reversed_mesh, P(axis)))
+  np.testing.assert_array_equal(
+    np.asarray(trainer.put_batch(on_reversed).words), np.asarray(put.words)
+  )
   loss, grads = trainer.loss_and_grads(state, batch)
   loss_put, grads_put = trainer.loss_and_grads(state, put)
   assert loss == loss_put
