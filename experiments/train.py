@@ -5,8 +5,9 @@
 
 Captures the model, plans it (graphpipe, sequential or gpipe), builds the
 pipelined step and trains on synthetic batches, printing each step's loss.
-Writes DIR/results.json: loss (per step), compile_time_s, step_time_s
-(median), samples_per_s, peak_memory_bytes (per device), the plan and, with
+Writes DIR/results.json: loss (per step), compile_time_s, first_step_s,
+step_time_s (median of the steps after the first; null for one step),
+samples_per_s, peak_memory_bytes (per device), the plan and, with
 --verify, verify_max_rel_error (loss and every gradient of the first step
 against jax.value_and_grad of the unpipelined model on one device).
 
@@ -174,11 +175,14 @@ def train(options) -> dict:
     losses.append(metrics["loss"])
     if jax.process_index() == 0:
       progress.step(f"loss {metrics['loss']:.5f} ({times[-1] * 1e3:.1f} ms)")
-  steady = times[1:] or times
+  # The first step also runs what jit left for the first call; a single
+  # step has no steady time to report (it once reported that one).
+  steady = statistics.median(times[1:]) if len(times) > 1 else None
   results.update(
     loss=losses,
-    step_time_s=statistics.median(steady),
-    samples_per_s=options.batch_size / statistics.median(steady),
+    first_step_s=times[0],
+    step_time_s=steady,
+    samples_per_s=options.batch_size / steady if steady else None,
   )
   return results
 
@@ -217,10 +221,16 @@ def main(argv):
 
   if jax.process_index() == 0:
     common.write_results(options.out, results)
+    steady = results["step_time_s"]
+    timing = (
+      f"median step {steady * 1e3:.1f} ms, "
+      f"{results['samples_per_s']:.1f} samples/s"
+      if steady
+      else "no step time: one step also runs first-call work (--steps >= 2)"
+    )
     print(
-      f"median step {results['step_time_s'] * 1e3:.1f} ms, "
-      f"{results['samples_per_s']:.1f} samples/s, compile "
-      f"{results['compile_time_s']:.1f} s; wrote {options.out}/results.json"
+      f"{timing}, compile {results['compile_time_s']:.1f} s; wrote "
+      f"{options.out}/results.json"
     )
 
 
