@@ -335,6 +335,29 @@ def cases(options):
   return one, two
 
 
+def refuse_with_smoke(names) -> None:
+  """A usage error when a flag --smoke sets was given with it (it would be
+  overwritten without a word)."""
+  given = [f"--{n}" for n in names if flags.FLAGS[n].present]
+  if given:
+    raise app.UsageError(
+      f"--smoke sets {', '.join(given)} itself: leave them out, or --smoke"
+    )
+
+
+# The flags --smoke sets.
+SMOKE_FLAGS = (
+  "mlp_widths",
+  "mlp_batch_sizes",
+  "microbatches",
+  "transformers",
+  "two_device_mlps",
+  "pairs",
+  "warmup",
+  "idle_ticks",
+)
+
+
 def apply_smoke(options):
   """Tiny sizes and few pairs: seconds, for tests."""
   options.mlp_widths = ["32"]
@@ -374,6 +397,7 @@ def main(argv):
 
   options = flags.FLAGS
   if options.smoke:
+    refuse_with_smoke(SMOKE_FLAGS)
     apply_smoke(options)
   one, two = cases(options)
   if initialize_from_env():

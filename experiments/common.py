@@ -168,7 +168,7 @@ def check_choices(name: str, allowed) -> None:
   allowed = tuple(allowed)
   flags.register_validator(
     name,
-    lambda values: set(values) <= set(allowed),
+    lambda values: values is None or set(values) <= set(allowed),
     message=f"--{name} takes values of: {', '.join(allowed)}",
   )
 

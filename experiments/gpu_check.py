@@ -39,20 +39,38 @@ from experiments import bench_overhead, common
 from graphpipe.errors import CostModelError
 
 GPU_PRESETS = ("h200", "h100", "a100", "v100")
+# Compute dtypes the analytic presets price (`DeviceSpec.peak_flops`).
+DTYPES = ("float32", "tfloat32", "bfloat16", "float16")
+
+
+# The flags --smoke sets (given with it, they would be overwritten).
+SMOKE_FLAGS = ("models", "node_batch_sizes", "nodes_per_model", "node_repeats")
 
 
 def _define_flags():
+  from graphpipe import models
+  from graphpipe.costs.analytic import PRESETS
+
   bench_overhead.define_flags()
   flags.DEFINE_list(
     "models", ["mmt", "dlrm", "candle_uno", "transformer"], "Zoo models."
   )
+  common.check_choices("models", models.NAMES)
   flags.DEFINE_list(
     "node_batch_sizes", ["1", "4", "16", "64"], "Micro-batch sizes of (a)."
   )
-  flags.DEFINE_integer("nodes_per_model", 16, "Nodes timed per model.")
-  flags.DEFINE_integer("node_repeats", 3, "Timed calls per node and size.")
-  flags.DEFINE_string(
-    "preset", None, "Analytic preset to compare with (default: detected)."
+  common.check_int_list("node_batch_sizes")
+  flags.DEFINE_integer(
+    "nodes_per_model", 16, "Nodes timed per model.", lower_bound=1
+  )
+  flags.DEFINE_integer(
+    "node_repeats", 3, "Timed calls per node and size.", lower_bound=1
+  )
+  flags.DEFINE_enum(
+    "preset",
+    None,
+    PRESETS,
+    "Analytic preset to compare with (default: detected).",
   )
   flags.DEFINE_list(
     "dtypes",
@@ -60,7 +78,10 @@ def _define_flags():
     "Compute dtypes of the preset (default: GPU float32 and "
     "tfloat32, CPU float32).",
   )
-  flags.DEFINE_float("budget_s", 450.0, "Skip parts that start later.")
+  common.check_choices("dtypes", DTYPES)
+  flags.DEFINE_float(
+    "budget_s", 450.0, "Skip parts that start later.", lower_bound=0
+  )
 
 
 def detect_preset(device_kind: str, platform: str) -> str:
@@ -245,6 +266,7 @@ def main(argv):
   deadline = begin + options.budget_s
   size = "paper"
   if options.smoke:
+    bench_overhead.refuse_with_smoke(SMOKE_FLAGS + bench_overhead.SMOKE_FLAGS)
     bench_overhead.apply_smoke(options)
     options.transformers = []
     options.models = ["two_branch"]
@@ -258,6 +280,12 @@ def main(argv):
   dtypes = options.dtypes or (
     ["float32", "tfloat32"] if device.platform == "gpu" else ["float32"]
   )
+  unknown = [d for d in dtypes if d not in spec.peak_flops]
+  if options.dtypes and unknown:
+    raise app.UsageError(
+      f"--dtypes {unknown} are not dtypes of the {preset} preset "
+      f"({', '.join(spec.peak_flops)})"
+    )
   dtypes = [d for d in dtypes if d in spec.peak_flops]
   results = {
     "device": {"platform": device.platform, "kind": device.device_kind},

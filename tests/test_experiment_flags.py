@@ -90,6 +90,14 @@ ROWS = [
   ("bench_overhead", ["--two_device_mlps=0:256:4"], "width:batch:micro"),
   ("bench_overhead", ["--microbatches=3"], "must divide every --mlp_batch"),
 ]
+ROWS += [
+  ("gpu_check", ["--models=resnet"], "--models takes values of"),
+  ("gpu_check", ["--preset=tpu9"], "value should be one of"),
+  ("gpu_check", ["--node_repeats=0"], "is not a positive integer"),
+  ("gpu_check", ["--nodes_per_model=0"], "is not a positive integer"),
+  ("gpu_check", ["--node_batch_sizes=0"], "integers >= 1"),
+  ("gpu_check", ["--dtypes=bogus"], "--dtypes takes values of"),
+]
 # --out naming a file (or a path under one) once failed at the first
 # write, after the whole run: every experiment refuses it while parsing.
 ROWS += [

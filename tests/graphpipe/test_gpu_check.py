@@ -67,3 +67,29 @@ def test_gpu_check_smoke(tmp_path):
     assert row["loss_rel_diff"] < 1e-5 and row["param_rel_error"] < 1e-5
     assert 0 < row["ratio"] < math.inf
   assert math.isfinite(results["tick"]["empty_tick_s"])
+
+
+@pytest.mark.parametrize(
+  "given, message",
+  [
+    # --smoke set them over what was asked, without a word.
+    (["--smoke", "--models=mmt"], "--smoke sets --models itself"),
+    (["--smoke", "--pairs=5"], "--smoke sets --pairs itself"),
+    # A dtype the preset does not price was dropped: no fit at all.
+    (["--preset=v100", "--dtypes=bfloat16"], "not dtypes of the v100"),
+  ],
+)
+def test_flags_that_would_be_dropped_are_usage_errors(tmp_path, given, message):
+  env = child_env()
+  env["JAX_PLATFORMS"] = "cpu"
+  out = subprocess.run(
+    [sys.executable, "-m", "experiments.gpu_check", *given]
+    + [f"--out={tmp_path}"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
