@@ -436,7 +436,10 @@ def main(argv):
       f"sequential speed {r['pipedream_speedup']:.3f} ({verdict})"
     )
   failed = [r for r in rows if not r["passes"]]
-  print(f"{len(rows) - len(failed)}/{len(rows)} within 2%")
+  print(
+    f"{len(rows) - len(failed)}/{len(rows)}: no PipeDream partition more "
+    "than 2% faster than sequential's plan"
+  )
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
+
+import numpy as np
 
 from graphpipe.core.memory import KINDS
 from graphpipe.errors import PlanError
@@ -67,8 +70,12 @@ def check_memory_bytes(memory_bytes) -> None:
 
 
 def _count(value) -> bool:
-  """A positive int (True is not a count of 1)."""
-  return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+  """A positive integer, Python's or numpy's (True is not a count of 1)."""
+  return (
+    isinstance(value, numbers.Integral)
+    and not isinstance(value, bool | np.bool_)
+    and value >= 1
+  )
 
 
 def searched_sizes(

@@ -139,6 +139,7 @@ def plan(
     memory_kinds,
     piper_budget,
   )
+  num_devices, batch_size = int(num_devices), int(batch_size)
   if cost_model is None:
     spec = device_spec(device) if isinstance(device, str) else device
     cost_model = AnalyticCostModel(spec)

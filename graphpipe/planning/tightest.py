@@ -61,6 +61,7 @@ def tightest_plan(
   check_arguments(
     graph, num_devices, batch_size, planner, 0.0, None, KINDS, piper_budget
   )
+  num_devices, batch_size = int(num_devices), int(batch_size)
   kwargs = {"planner": planner, "device": device, "piper_budget": piper_budget}
   # Feasibility as `plan` decides it, without building its error message.
   spec = device_spec(device) if isinstance(device, str) else device

@@ -13,12 +13,28 @@ from graphpipe.core.stages import Plan
 from graphpipe.errors import PipelineRuntimeError, ProcessLostError
 
 
-def check_values(values: dict, shapes: dict) -> None:
-  """Values by key of the captured model's shapes, and finite."""
+def check_values(values: dict, shapes: dict, known=(), step=0) -> None:
+  """Values by key of the captured model's shapes, numbers, and finite;
+  no keys besides those and `known` (variables no stage reads); a step
+  count the state's int32 holds."""
+  if not (isinstance(step, int | np.integer) and 0 <= step < 2**31):
+    raise PipelineRuntimeError(
+      f"step must be an int in [0, 2^31), got {step!r}"
+    )
+  extra = sorted(set(values) - set(shapes) - set(known))
+  if extra:
+    raise PipelineRuntimeError(
+      f"values for {extra[:3]}{' ...' if len(extra) > 3 else ''}, which the "
+      "captured model does not have (keys like 'param:a.b.kernel')"
+    )
   for key, (shape, _) in shapes.items():
     if key not in values:
       raise PipelineRuntimeError(f"no value for {key}: not the captured model")
     value = np.asarray(values[key])
+    if value.dtype.kind not in "biuf":
+      raise PipelineRuntimeError(
+        f"{key} holds {value.dtype} values, not numbers"
+      )
     if value.shape != tuple(shape):
       raise PipelineRuntimeError(
         f"{key} has shape {list(value.shape)}, the captured model's has "

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -222,8 +223,6 @@ class Trainer:
     Refuses a model whose variables differ in structure or shape from the
     captured one's, and non-finite weights.
     """
-    from flax import nnx
-
     if not isinstance(model_or_variables, nnx.Module | Mapping):
       raise PipelineRuntimeError(
         "init takes the NNX model (or linen variables dict) the graph was "
@@ -234,7 +233,8 @@ class Trainer:
 
   def state_from_values(self, values: dict, step: int = 0) -> TrainState:
     """A state from parameter / state values by key ('param:a.b.kernel')."""
-    guards.check_values(values, self.layout.param_shapes)
+    keys = self.graph.program.input_keys
+    guards.check_values(values, self.layout.param_shapes, keys, step)
     params = self._to_rows(self._host_slots(self.buffers.params, values))
     state = self._to_rows(self._host_slots(self.buffers.state, values))
     # (device_put of a host scalar makes a malformed array across processes)
@@ -287,8 +287,6 @@ class Trainer:
 
   def update_model(self, model, state: TrainState):
     """Writes the trained parameters into an NNX model (in place)."""
-    from flax import nnx
-
     if not isinstance(model, nnx.Module):
       raise PipelineRuntimeError(
         f"update_model takes the NNX model, got {type(model).__name__} (for "

@@ -37,6 +37,11 @@ def ctx(tmp_path_factory):
   return Ctx(tmp_path_factory.mktemp("bad_input"))
 
 
+def _values(c):
+  """The tiny model's values by key, as state_from_values takes them."""
+  return c.graph.program.variable_values(mlp())
+
+
 def _consumed(c):
   """A state a step has consumed (its buffers donated)."""
   state = c.state()
@@ -138,6 +143,34 @@ ROWS = [
     lambda c: c.trainer.init(nan_weights()),
     PipelineRuntimeError,
     "NaN or infinite",
+  ),
+  (
+    "values-extra-key",  # ignored before
+    lambda c: c.trainer.state_from_values(
+      {**_values(c), "param:no.such.kernel": np.ones(3)}
+    ),
+    PipelineRuntimeError,
+    "which the captured model does not have",
+  ),
+  (
+    "values-strings",  # a TypeError from np.isfinite before
+    lambda c: c.trainer.state_from_values(
+      {k: np.full(np.shape(v), "x") for k, v in _values(c).items()}
+    ),
+    PipelineRuntimeError,
+    "not numbers",
+  ),
+  (
+    "values-step-negative",  # taken before
+    lambda c: c.trainer.state_from_values(_values(c), step=-5),
+    PipelineRuntimeError,
+    r"step must be an int in \[0, 2\^31\)",
+  ),
+  (
+    "values-step-too-large",  # an OverflowError before
+    lambda c: c.trainer.state_from_values(_values(c), step=2**40),
+    PipelineRuntimeError,
+    "step must be an int",
   ),
   (
     "step-not-a-state",
@@ -366,3 +399,10 @@ def test_64_bit_numpy_batches_are_taken_as_jax_takes_them(ctx):
   _, got = ctx.trainer.step(ctx.state(), wide)
   _, want = ctx.trainer.step(ctx.state(), BATCH)
   assert got["loss"] == want["loss"]
+
+
+def test_numpy_integers_are_counts(ctx):
+  # plan(num_devices=np.int64(4)) was refused as "must be a positive int".
+  got = graphpipe.plan(ctx.graph, np.int64(2), np.int32(16))
+  assert got.stages == graphpipe.plan(ctx.graph, 2, 16).stages
+  assert isinstance(got.num_devices, int) and isinstance(got.batch_size, int)
