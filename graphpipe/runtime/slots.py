@@ -10,6 +10,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from graphpipe.core.slots import SlotLayout, plan_slots
 
@@ -26,7 +27,16 @@ __all__ = [
 # Reading and writing slots inside the step.
 
 
-def read(slots, layout: SlotLayout, stage: int, keys, shapes) -> dict:
+# 32-bit integers that slots holding constants keep as bits (a float32
+# holds integers exactly only up to 2^24). Parameter slots convert: the
+# optimizer adds to them, and bits of small integers are subnormal floats
+# that arithmetic may flush to zero.
+_AS_BITS = ("int32", "uint32")
+
+
+def read(
+  slots, layout: SlotLayout, stage: int, keys, shapes, bits: bool = False
+) -> dict:
   """The values of `keys` of `stage` from this device's `slots`.
 
   Args:
@@ -35,6 +45,7 @@ def read(slots, layout: SlotLayout, stage: int, keys, shapes) -> dict:
     stage: the device's stage.
     keys: the variables to read.
     shapes: key -> (shape, dtype).
+    bits: 32-bit integers are held as their bits (`host_slots`).
   """
   out = {}
   for key in keys:
@@ -43,7 +54,10 @@ def read(slots, layout: SlotLayout, stage: int, keys, shapes) -> dict:
     flat = slots[slot]
     if not layout.whole(stage, key):
       flat = flat[offset : offset + layout.lengths[key]]
-    out[key] = flat.reshape(shape).astype(dtype)
+    if bits and str(dtype) in _AS_BITS:
+      out[key] = lax.bitcast_convert_type(flat, dtype).reshape(shape)
+    else:
+      out[key] = flat.reshape(shape).astype(dtype)
   return out
 
 
@@ -73,14 +87,18 @@ def scatter(layout: SlotLayout, stage: int, values: dict) -> tuple:
 # Host side.
 
 
-def host_slots(layout: SlotLayout, stage: int, values: dict) -> list:
-  """numpy float32 slots of `stage` holding `values` (key -> array)."""
+def host_slots(
+  layout: SlotLayout, stage: int, values: dict, bits: bool = False
+) -> list:
+  """numpy float32 slots of `stage` holding `values` (key -> array); with
+  `bits`, 32-bit integers as their bits (exact beyond 2^24)."""
   slots = [np.zeros(size, np.float32) for size in layout.sizes]
   for key, (slot, offset) in layout.places[stage].items():
     n = layout.lengths[key]
-    slots[slot][offset : offset + n] = np.asarray(
-      values[key], np.float32
-    ).reshape(-1)
+    value = np.asarray(values[key])
+    if bits and str(value.dtype) in _AS_BITS:
+      value = value.view(np.float32)
+    slots[slot][offset : offset + n] = np.asarray(value, np.float32).reshape(-1)
   return slots
 
 

@@ -174,7 +174,9 @@ class StepBuilder(StageCode):
     s, shapes = self.layout.stages[stage], self.layout.param_shapes
     return (
       slots.read(ops.params, self.buffers.params, stage, s.params, shapes),
-      slots.read(ops.state, self.buffers.state, stage, s.state, shapes),
+      slots.read(
+        ops.state, self.buffers.state, stage, s.state, shapes, bits=True
+      ),
     )
 
   def _batch_rows(self, stage, device, batch, mb):

@@ -236,7 +236,7 @@ class Trainer:
     keys = self.graph.program.input_keys
     guards.check_values(values, self.layout.param_shapes, keys, step)
     params = self._to_rows(self._host_slots(self.buffers.params, values))
-    state = self._to_rows(self._host_slots(self.buffers.state, values))
+    state = self._to_rows(self._host_slots(self.buffers.state, values, True))
     # (device_put of a host scalar makes a malformed array across processes)
     step_array = jax.make_array_from_callback(
       (), self._replicated, lambda _: np.asarray(step, np.int32)
@@ -420,13 +420,13 @@ class Trainer:
 
   # Helpers.
 
-  def _host_slots(self, layout, values) -> list[np.ndarray]:
+  def _host_slots(self, layout, values, bits=False) -> list[np.ndarray]:
     """Per slot, [devices, slot size]: each device's stage in its row."""
     host = [
       np.zeros((self.layout.num_devices, n), np.float32) for n in layout.sizes
     ]
     for s in self.layout.stages:
-      stage_slots = slots.host_slots(layout, s.id, values)
+      stage_slots = slots.host_slots(layout, s.id, values, bits)
       for d in s.devices:
         for slot, row in zip(host, stage_slots, strict=True):
           slot[d] = row
