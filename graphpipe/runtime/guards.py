@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -31,7 +32,7 @@ def check_values(values: dict, shapes: dict, known=(), step=0) -> None:
     if key not in values:
       raise PipelineRuntimeError(f"no value for {key}: not the captured model")
     value = np.asarray(values[key])
-    if value.dtype.kind not in "biuf":
+    if not (jnp.issubdtype(value.dtype, jnp.number) or value.dtype == bool):
       raise PipelineRuntimeError(
         f"{key} holds {value.dtype} values, not numbers"
       )
