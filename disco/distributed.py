@@ -18,6 +18,7 @@ of one shape on every device mean some padding where nodes differ
 """
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -209,6 +210,18 @@ def distribute(model: nnx.Module, mesh: Mesh | None = None) -> DistributedModel:
     DistributedError: a model without a lowering, or a mesh that does not
       fit.
   """
+  training = [
+    m
+    for _, m in nnx.iter_modules(model)
+    if isinstance(m, nnx.BatchNorm) and not m.use_running_average
+  ]
+  if training:
+    warnings.warn(
+      "the model is in training mode; distributed inference normalises "
+      "with batch norm's running statistics (inference mode), so it equals "
+      "the model after model.eval(), not model(x) as it is now",
+      stacklevel=2,
+    )
   lowered = lowering.lower(model)
   nodes = len(lowered.params)
   if mesh is None:

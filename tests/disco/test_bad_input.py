@@ -46,6 +46,7 @@ class Ctx:
   def __init__(self, folder):
     self.folder = str(folder)
     self.model = ResNet(ResNetConfig(num_nodes=2), rngs=nnx.Rngs(0))
+    self.model.eval()  # as distributed inference runs it
     self.saved = os.path.join(self.folder, "ckpt")
     checkpoint.save(self.model, self.saved)
 

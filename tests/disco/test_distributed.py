@@ -9,6 +9,7 @@ import functools
 import importlib
 import json
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -273,3 +274,15 @@ def test_experiment_writes_results_and_plot(tmp_path):
   curves = written["latency_model"]["predicted_ms"]["per_batch"]
   assert set(curves) >= {"one_device", "disco_2_nodes", "disco_4_nodes"}
   assert results["plot"] is None or os.path.isfile(results["plot"])
+
+
+def test_a_model_in_training_mode_is_warned_about():
+  # Distributed inference normalises with running statistics; a model left
+  # in training mode gave other outputs than model(x) without a word.
+  model = ResNet(ResNetConfig(num_nodes=2), rngs=nnx.Rngs(0))
+  with pytest.warns(UserWarning, match="in training mode"):
+    distributed.distribute(model)
+  model.eval()
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    distributed.distribute(model)
