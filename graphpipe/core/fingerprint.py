@@ -34,3 +34,19 @@ def graph_fingerprint(graph: OpGraph) -> str:
   }
   text = json.dumps(data, sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def made_for(plan, graph: OpGraph) -> bool:
+  """Whether `plan` was made for `graph` (a plan that records no
+  fingerprint, e.g. one written by hand, is taken as made for it).
+
+  Example:
+    >>> graph = capture_zoo("two_branch", "tiny")
+    >>> made_for(graphpipe.plan(graph, 2, 8), graph)
+    True
+    >>> made_for(graphpipe.plan(graph, 2, 8), capture_zoo("mmt", "tiny"))
+    False
+  """
+  return not plan.graph_fingerprint or (
+    plan.graph_fingerprint == graph_fingerprint(graph)
+  )

@@ -6,6 +6,7 @@ the schedule, the simulator and the runtime rely on.
 
 from __future__ import annotations
 
+from graphpipe.core.fingerprint import made_for
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import over_budget, plan_memory
 from graphpipe.core.stages import Plan, in_flight_counts
@@ -42,6 +43,10 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
     memory_bytes: the per-device budget.
   """
   check_memory_bytes(memory_bytes)
+  if not made_for(p, graph):
+    raise PlanError(
+      "invalid plan: it was made for another graph (fingerprints differ)"
+    )
   problems = []
   owner = {}
   for s in p.stages:
@@ -58,8 +63,14 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
     problems.append(f"devices {used} overlap or fall outside the plan")
   if [s.id for s in p.stages] != list(range(p.num_stages)):
     problems.append("stage ids are not 0..n-1 in order")
+  if p.batch_size < 1:
+    problems.append(f"batch size {p.batch_size} is not positive")
   for s in p.stages:
-    if p.batch_size % s.micro_batch_size or s.micro_batch_size % len(s.devices):
+    if (
+      s.micro_batch_size < 1
+      or p.batch_size % s.micro_batch_size
+      or s.micro_batch_size % len(s.devices)
+    ):
       problems.append(f"stage {s.id}: micro-batch does not split evenly")
   if any(a >= b for a, b in p.stage_edges):
     problems.append("a stage edge goes backward")

@@ -82,11 +82,9 @@ def default_mesh(num_devices: int, axis: str) -> Mesh:
 
 def check_fingerprint(plan: Plan, graph: OpGraph) -> None:
   """Refuses a plan made for another graph."""
-  if not plan.graph_fingerprint:
-    return
-  from graphpipe.core.fingerprint import graph_fingerprint
+  from graphpipe.core.fingerprint import made_for
 
-  if plan.graph_fingerprint != graph_fingerprint(graph):
+  if not made_for(plan, graph):
     raise PipelineRuntimeError(
       "this plan was made for another graph (fingerprints differ): plan "
       "the captured graph you train"

@@ -34,6 +34,7 @@ from graphpipe.core.memory import (
 from graphpipe.core.stages import Plan
 from graphpipe.errors import PipelineRuntimeError
 from graphpipe.runtime.buffers import Buffers
+from graphpipe.runtime.guards import check_fingerprint
 from graphpipe.runtime.layout import Layout, build_layout
 from graphpipe.runtime.step import StepBuilder
 from graphpipe.schedules.builders import schedule_for
@@ -65,6 +66,7 @@ def memory_report(
       "the memory report needs the captured graph of the plan: "
       "memory_report(plan, graphpipe.capture(...), optimizer)"
     )
+  check_fingerprint(plan, graph)
   if schedule is None or isinstance(schedule, str):
     schedule = schedule_for(plan, schedule)
   check_schedule(schedule)

@@ -156,7 +156,7 @@ def _layout(
       owner[device] = stage.id
   sizes = plan.micro_batch_sizes
   for stage, size in zip(plan.stages, sizes, strict=True):
-    if size < 1 or plan.batch_size % size:
+    if size < 1 or plan.batch_size < 1 or plan.batch_size % size:
       raise ScheduleError(
         f"batch size {plan.batch_size} is not a positive multiple of stage "
         f"{stage.id}'s micro-batch size {size}: pick a micro-batch size "

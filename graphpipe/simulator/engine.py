@@ -35,6 +35,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from graphpipe.core.cost_model import CostModel
+from graphpipe.core.fingerprint import made_for
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import plan_memory
 from graphpipe.core.stages import Plan
@@ -451,6 +452,19 @@ def _check_fit(plan: Plan, graph: OpGraph, schedule: Schedule) -> None:
       f"the plan's stages hold nodes {_short(covered)} but the graph has "
       f"nodes 0..{len(graph.nodes) - 1}: every node must be in exactly one "
       "stage (re-plan for this graph)"
+    )
+  for stage in plan.stages:
+    if plan.micro_batch_sizes[stage.id] % len(stage.devices):
+      raise SimulationError(
+        f"stage {stage.id}'s micro-batch of "
+        f"{plan.micro_batch_sizes[stage.id]} does not split evenly over its "
+        f"{len(stage.devices)} devices (check_plan and the runtime refuse "
+        "it too)"
+      )
+  if not made_for(plan, graph):
+    raise SimulationError(
+      "this plan was made for another graph (fingerprints differ): plan "
+      "the graph you simulate"
     )
   if not built_for(schedule, plan):
     raise SimulationError(

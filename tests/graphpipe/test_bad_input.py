@@ -8,6 +8,8 @@ what to fix. Tiny three-layer MLP (`bad_input_context`), so every case
 runs in well under a second once the module's graph and plan exist.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from graphpipe.errors import (
   GraphError,
   GraphFormatError,
   PlanError,
+  ScheduleError,
   SimulationError,
 )
 from tests.bad_input_table import table_tests
@@ -34,6 +37,20 @@ from tests.graphpipe.bad_input_context import (
   set_node,
   with_leaf,
 )
+
+
+def _heavier(graph: OpGraph) -> OpGraph:
+  """`graph` with every node's forward twice as costly (same structure)."""
+  nodes = [
+    dataclasses.replace(n, fwd_flops=2 * n.fwd_flops + 1) for n in graph.nodes
+  ]
+  return OpGraph(nodes, graph.edges, loss_nodes=graph.loss_nodes)
+
+
+def _uneven(c) -> Plan:
+  """One stage on 2 devices with micro-batches of 5 (not divisible)."""
+  nodes = tuple(range(len(c.graph.nodes)))
+  return Plan("manual", (graphpipe.Stage(0, nodes, (0, 1), 5),), (), 10, 2)
 
 
 @pytest.fixture(scope="module")
@@ -262,6 +279,20 @@ ROWS = [
     "cover every node exactly once",
   ),
   (
+    "check-plan-of-a-graph-with-other-costs",
+    lambda c: graphpipe.check_plan(c.plan, _heavier(c.graph), 1e12),
+    PlanError,
+    "made for another graph",
+  ),
+  (
+    "check-plan-batch-0",
+    lambda c: graphpipe.check_plan(
+      dataclasses.replace(c.plan, batch_size=0), c.graph, 1e12
+    ),
+    PlanError,
+    "batch size 0 is not positive",
+  ),
+  (
     "check-plan-memory-negative",
     lambda c: graphpipe.check_plan(graphpipe.plan(c.graph, 2, 16), c.graph, -1),
     PlanError,
@@ -376,6 +407,27 @@ ROWS = [
     ),
     SimulationError,
     "every node must be in exactly one stage",
+  ),
+  (
+    # Same nodes, other figures: taken without a word before.
+    "simulate-plan-of-a-graph-with-other-costs",
+    lambda c: graphpipe.simulate(c.plan, _heavier(c.graph)),
+    SimulationError,
+    "made for another graph",
+  ),
+  (
+    "simulate-uneven-replicas",  # timed with 2.5 samples a device before
+    lambda c: graphpipe.simulate(_uneven(c), c.graph),
+    SimulationError,
+    "does not split evenly",
+  ),
+  (
+    "simulate-batch-0",  # '0 samples/s, bubble 48.8%' before
+    lambda c: graphpipe.simulate(
+      dataclasses.replace(c.plan, batch_size=0), c.graph
+    ),
+    ScheduleError,
+    "not a positive multiple",
   ),
   (
     "simulate-not-a-plan",

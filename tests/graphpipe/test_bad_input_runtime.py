@@ -246,6 +246,14 @@ ROWS = [
     PipelineRuntimeError,
     "the plan needs",
   ),
+  (
+    "memory-report-plan-of-another-graph",  # reported for it before
+    lambda c: graphpipe.memory_report(
+      c.plan, graphpipe.capture(loss_fn, mlp(width=9), BATCH)
+    ),
+    PipelineRuntimeError,
+    "made for another graph",
+  ),
   # Trainer.save / restore (graphpipe.runtime.checkpoints)
   (
     "save-over-a-file",

@@ -185,7 +185,7 @@ def test_a_schedule_or_graph_of_another_plan_is_refused():
 
 
 def test_trace_has_one_track_per_device_and_every_action(tmp_path):
-  plan = make_plan((3, ((0, 1), (0, 2))), 2, [1, 2, 1])
+  plan = make_plan((3, ((0, 1), (0, 2))), 2, [1, 2, 1], micro_batch_size=2)
   report = simulate(plan, make_graph((3, ((0, 1), (0, 2)))), UnitCosts(1.0))
   path = tmp_path / "trace.json"
   report.save_trace(str(path))
