@@ -363,8 +363,11 @@ def main(argv):
     results = run(settings, flags.FLAGS.out)
   except DiscoError as error:
     sys.exit(f"disco_train: error: {error}")
-  for key in _HEADLINE:
-    print(f"{key}: {results[key]}")
+  # The bicubic baseline where there is one (super-resolution): a model
+  # below it has learnt nothing an interpolation does not give.
+  for key in _HEADLINE + ("quality_bicubic",):
+    if key in results:
+      print(f"{key}: {results[key]}")
 
 
 if __name__ == "__main__":
