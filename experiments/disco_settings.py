@@ -139,6 +139,13 @@ class Settings:
         f"unknown task {task!r}; tasks: {', '.join(sorted(data.TASKS))}"
       )
     dataset = dataset or data.TASKS[task][0]
+    for name in given:
+      tasks_of = _ONLY_FOR.get(name, (task,))
+      if task not in tasks_of:
+        raise DiscoError(
+          f"--{name} applies to {' and '.join(tasks_of)}, not {task} "
+          "(it would be recorded and not used)"
+        )
     measured = TASK_SETTINGS.get((task, dataset), {})
     return cls(task=task, dataset=dataset, **{**measured, **given})
 
@@ -148,6 +155,19 @@ class Settings:
     for value in values:
       prune.check_ratio(value)
     return values
+
+
+# Settings only some tasks read (`disco.data.load`'s options, the
+# classifier's architecture).
+_ONLY_FOR = {
+  "model": ("classify",),
+  "image_size": ("classify",),
+  "test_fraction": ("classify",),
+  "data_dir": ("classify",),
+  "scale": ("superres",),
+  "patches": ("superres",),
+  "scenes": ("segment", "detect"),
+}
 
 
 # Per (task, dataset), the settings of the runs BUILD.md reports (its

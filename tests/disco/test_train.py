@@ -215,6 +215,13 @@ def test_flags_left_out_take_the_tasks_measured_settings(tmp_path):
   assert disco_train.Settings.for_task("classify") == disco_train.Settings()
   with pytest.raises(DiscoError, match="unknown task"):
     disco_train.Settings.for_task("translate")
+  # A setting the task never reads was recorded as if it had been used
+  # (--model=vit --task=segment trained DeepLab without a word).
+  with pytest.raises(DiscoError, match="--model applies to classify"):
+    disco_train.Settings.for_task("segment", model="vit")
+  with pytest.raises(DiscoError, match="--scenes applies to segment and"):
+    disco_train.Settings.for_task("superres", scenes=10)
+  assert disco_train.Settings.for_task("detect", scenes=40).scenes == 40
   # Through the flags: --num_nodes given wins, the rest is the task's; a
   # bad ratio stops the run right after the settings are logged.
   run = _run_app(
