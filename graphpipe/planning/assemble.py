@@ -234,7 +234,11 @@ def assemble(
   if part.schedule == "gpipe":
     in_flight = [costs.batch_size // b for b in sizes]
   else:
-    in_flight = in_flight_counts(len(order), ranked_edges, sizes)
+    # A stage never holds more micro-batches than it runs.
+    counts = in_flight_counts(len(order), ranked_edges, sizes)
+    in_flight = [
+      min(c, costs.batch_size // b) for c, b in zip(counts, sizes, strict=True)
+    ]
   stages = tuple(
     Stage(
       id=i,

@@ -335,3 +335,18 @@ def test_the_chains_that_fit_are_found(kinds, planner):
   )
   assert found.num_stages == 2
   assert plan_memory(graph, found).largest_of(kinds) <= budget
+
+
+def test_a_stage_holds_no_more_micro_batches_than_it_runs():
+  # One micro-batch through a depth-2 pipeline: its first stages were
+  # counted 2 in flight, so the planner's memory was over the simulator's
+  # (7.9 against 6.5 MB) and a budget the plan fits chose one 39% slower.
+  graph = graphpipe.models.capture_zoo("mmt", "tiny")
+  fast = graphpipe.plan(graph, 3, 64)
+  assert fast.num_microbatches == 1 and fast.depth == 2
+  assert all(s.in_flight <= 1 for s in fast.stages)
+  simulated = graphpipe.simulate(fast, graph).max_peak_memory_bytes
+  assert plan_memory(graph, fast).largest == simulated
+  bounded = graphpipe.plan(graph, 3, 64, memory_bytes=1.05 * simulated)
+  assert bounded.stages == fast.stages
+  graphpipe.check_plan(fast, graph, 1.05 * simulated)
