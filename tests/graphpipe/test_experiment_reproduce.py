@@ -1,6 +1,6 @@
 """experiments.reproduce on small synthetic graphs: every figure, the report.
 
-The paper-scale run (`python -m experiments.reproduce --out=DIR`, about 10
+The paper-scale run (`python -m experiments.reproduce --out=DIR`, about 4-5
 minutes) is too long for the suite; here the same code runs on small
 stand-ins for the zoo's graphs (no capture), at 4 devices.
 """
