@@ -210,11 +210,10 @@ def distribute(model: nnx.Module, mesh: Mesh | None = None) -> DistributedModel:
     DistributedError: a model without a lowering, or a mesh that does not
       fit.
   """
-  training = [
-    m
+  training = any(
+    isinstance(m, nnx.BatchNorm) and not m.use_running_average
     for _, m in nnx.iter_modules(model)
-    if isinstance(m, nnx.BatchNorm) and not m.use_running_average
-  ]
+  )
   if training:
     warnings.warn(
       "the model is in training mode; distributed inference normalises "

@@ -92,13 +92,15 @@ def stage_memory_bytes(
   work = 0
   if "work" in kinds:
     work = work_bytes(graph, nodes, micro_batch_per_device)
-  per_param = (
-    ("parameters" in kinds)
-    + 2 * ("gradients" in kinds)
-    + optimizer_slots * ("optimizer" in kinds)
-    + 2 * ("work" in kinds)
-  )
+  per_param = param_multiple(kinds, optimizer_slots)
   return params * per_param + work + state + saved * in_flight
+
+
+def param_multiple(kinds, optimizer_slots=DEFAULT_OPTIMIZER_SLOTS) -> int:
+  """Bytes of `kinds` a stage holds per byte of its parameters: weights 1,
+  gradients 2, optimizer slots, work (gradients and their slots) 2."""
+  per = {"parameters": 1, "gradients": 2, "optimizer": optimizer_slots}
+  return sum({**per, "work": 2}.get(kind, 0) for kind in kinds)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from graphpipe.core.graph import OpGraph
-from graphpipe.core.memory import DEFAULT_OPTIMIZER_SLOTS
+from graphpipe.core.memory import param_multiple
 from graphpipe.planning.candidates import (
   DEPTH_GRID,
   Partition,
@@ -189,12 +189,7 @@ class _RangeCosts:
     # bound that left out the work term and a gradient copy let ranges
     # that `in_flight_capacity` refuses win the DP, and hid the chains
     # that fit).
-    per_param = (
-      ("parameters" in kinds)
-      + 2 * ("gradients" in kinds)
-      + DEFAULT_OPTIMIZER_SLOTS * ("optimizer" in kinds)
-      + 2 * ("work" in kinds)
-    )
+    per_param = param_multiple(kinds)
     for i, k in enumerate(self.counts):
       share = costs.share(micro_batch, k)
       work = np.zeros((n, n))
@@ -372,12 +367,9 @@ class GPipePartitioner:
           continue
         most = min(costs.num_devices // replicas, len(chain.order))
         bounds = [d for d in DEPTH_GRID if d < most] + [most]
-        for bound in bounds[::-1]:
-          stages = self._balanced(
-            chain, micro_batch, replicas, bound, in_flight
-          )
-          if stages is None:
-            break  # fewer stages do not fit either
+        for stages in self._balanced(
+          chain, micro_batch, replicas, bounds[::-1], in_flight
+        ):
           out.append(
             Partition(
               tuple((nodes, replicas) for nodes in stages),
@@ -388,7 +380,9 @@ class GPipePartitioner:
           )
     return distinct(out)
 
-  def _balanced(self, chain, b, replicas, most, in_flight):
+  def _balanced(self, chain, b, replicas, bounds, in_flight):
+    """The balanced cut under each depth bound of `bounds` (descending),
+    until one has none (fewer stages do not fit either)."""
     length = len(chain.order)
     targets = set()
     for first in range(length):
@@ -399,7 +393,7 @@ class GPipePartitioner:
         targets.add(tps)
     targets = sorted(targets)
 
-    def cut(target):
+    def cut(target, most):
       stages, first = [], 0
       while first < length:
         last = first - 1
@@ -414,13 +408,16 @@ class GPipePartitioner:
         first = last + 1
       return stages
 
-    if not targets or cut(targets[-1]) is None:
-      return None
-    low, high = 0, len(targets) - 1
-    while low < high:
-      middle = (low + high) // 2
-      if cut(targets[middle]) is None:
-        low = middle + 1
-      else:
-        high = middle
-    return cut(targets[high])
+    found = []
+    for most in bounds:
+      if not targets or cut(targets[-1], most) is None:
+        break
+      low, high = 0, len(targets) - 1
+      while low < high:
+        middle = (low + high) // 2
+        if cut(targets[middle], most) is None:
+          low = middle + 1
+        else:
+          high = middle
+      found.append(cut(targets[high], most))
+    return found

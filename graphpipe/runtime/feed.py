@@ -174,8 +174,6 @@ def _in_mesh_order(x, sharding):
   mesh = getattr(x.sharding, "mesh", None)
   if mesh is not None and tuple(mesh.devices.flat) == order:
     return x
-  if len(x.sharding.device_set) == 1 and len(order) == 1:
-    return x
   everywhere = jax.sharding.NamedSharding(
     sharding.mesh, jax.sharding.PartitionSpec()
   )

@@ -14,14 +14,17 @@ from graphpipe.core.stages import Plan
 from graphpipe.errors import PipelineRuntimeError, ProcessLostError
 
 
-def check_values(values: dict, shapes: dict, known=(), step=0) -> None:
-  """Values by key of the captured model's shapes, numbers, and finite;
-  no keys besides those and `known` (variables no stage reads); a step
-  count the state's int32 holds."""
+def check_step(step) -> None:
+  """A step count the state's int32 holds."""
   if not (isinstance(step, int | np.integer) and 0 <= step < 2**31):
     raise PipelineRuntimeError(
       f"step must be an int in [0, 2^31), got {step!r}"
     )
+
+
+def check_values(values: dict, shapes: dict, known=()) -> None:
+  """Values by key of the captured model's shapes, numbers, and finite;
+  no keys besides those and `known` (variables no stage reads)."""
   extra = sorted(set(values) - set(shapes) - set(known))
   if extra:
     raise PipelineRuntimeError(
@@ -96,7 +99,7 @@ def check_state(state, expected) -> None:
   a state whose buffers an earlier step consumed (stepping one crashed the
   process), or one of another plan or optimizer (its arrays differ from
   `expected`, the trainer's abstract state)."""
-  if type(state).__name__ != "TrainState" or not isinstance(state, tuple):
+  if type(state) is not type(expected):
     raise PipelineRuntimeError(
       f"takes the TrainState of init/restore/step, got {type(state).__name__}"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -234,7 +235,8 @@ class Trainer:
   def state_from_values(self, values: dict, step: int = 0) -> TrainState:
     """A state from parameter / state values by key ('param:a.b.kernel')."""
     keys = self.graph.program.input_keys
-    guards.check_values(values, self.layout.param_shapes, keys, step)
+    guards.check_values(values, self.layout.param_shapes, keys)
+    guards.check_step(step)
     params = self._to_rows(self._host_slots(self.buffers.params, values))
     state = self._to_rows(self._host_slots(self.buffers.state, values, True))
     # (device_put of a host scalar makes a malformed array across processes)
@@ -253,7 +255,7 @@ class Trainer:
     optimizer state, step count); with `stop_on_nan` it raises
     `PipelineRuntimeError` instead, the unchanged state in its `.state`.
     """
-    self._check_state(state)
+    guards.check_state(state, self._expected_state)
     batch = self.put_batch(batch).words
     die_at = faults.armed("step")
     if die_at is not None and die_at == int(_first_shard(state.step)):
@@ -274,7 +276,7 @@ class Trainer:
 
   def loss_and_grads(self, state: TrainState, batch) -> tuple[float, dict]:
     """The pipelined loss and gradients by 'param:' key (no update)."""
-    self._check_state(state)
+    guards.check_state(state, self._expected_state)
     # The step consumes its state; it gets a copy, so `state` stays usable.
     state = jax.tree.map(jnp.copy, state)
     _, metrics, grads = self._step(state, self.put_batch(batch).words)
@@ -282,7 +284,7 @@ class Trainer:
 
   def params(self, state: TrainState) -> dict:
     """Current parameters by 'param:' key, gathered to the host."""
-    self._check_state(state)
+    guards.check_state(state, self._expected_state)
     return self._gather(state.params)
 
   def update_model(self, model, state: TrainState):
@@ -321,7 +323,7 @@ class Trainer:
     (`graphpipe.runtime.checkpoints`): a crash midway leaves a folder
     that `restore` refuses and `checkpoints.latest` skips.
     """
-    self._check_state(state)
+    guards.check_state(state, self._expected_state)
     checkpoints.save(self, state, directory)
 
   def restore(self, directory: str) -> TrainState:
@@ -341,10 +343,9 @@ class Trainer:
       ],
     }
 
-  def _check_state(self, state) -> None:
-    if getattr(self, "_expected", None) is None:
-      self._expected = self._abstract_state()
-    guards.check_state(state, self._expected)
+  @functools.cached_property
+  def _expected_state(self) -> TrainState:
+    return self._abstract_state()
 
   def _abstract_state(self) -> TrainState:
     rows = lambda shape: jax.ShapeDtypeStruct(
