@@ -149,6 +149,20 @@ class Settings:
     measured = TASK_SETTINGS.get((task, dataset), {})
     return cls(task=task, dataset=dataset, **{**measured, **given})
 
+  def record(self) -> dict:
+    """The settings as results.json records them: those the task reads.
+
+    Example:
+      >>> record = Settings.for_task("superres").record()
+      >>> "scale" in record, "model" in record, "scenes" in record
+      (True, False, False)
+    """
+    return {
+      name: value
+      for name, value in dataclasses.asdict(self).items()
+      if self.task in _ONLY_FOR.get(name, (self.task,))
+    }
+
   def ratios(self) -> list[float]:
     """The sweep's ratios, checked."""
     values = [float(v) for v in self.sweep.split(",") if v.strip()]

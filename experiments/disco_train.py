@@ -122,7 +122,7 @@ def run(settings: Settings, out: str) -> dict:
   if sweep:
     results["plot"] = _plot(settings, results, out)
   results["wall_seconds"] = round(time.perf_counter() - started, 1)
-  results["config"] = dataclasses.asdict(settings)
+  results["config"] = settings.record()
   path = common.write_results(out, results)
   common.log(f"wrote {path}")
   return results
@@ -359,7 +359,8 @@ def main(argv):
   }
   try:
     settings = Settings.for_task(flags.FLAGS.task, **given)
-    common.log(f"settings: {settings}")
+    read = settings.record().items()
+    common.log("settings: " + ", ".join(f"{k}={v!r}" for k, v in read))
     results = run(settings, flags.FLAGS.out)
   except DiscoError as error:
     sys.exit(f"disco_train: error: {error}")

@@ -230,3 +230,10 @@ def test_flags_left_out_take_the_tasks_measured_settings(tmp_path):
   assert run.returncode != 0
   assert "num_nodes=2" in run.stderr
   assert "width=18" in run.stderr and "group_lasso=0.0" in run.stderr
+  # Options the task never reads are neither logged nor recorded in
+  # results.json (their defaults were, as if used).
+  assert "scale=2" in run.stderr and "scenes=" not in run.stderr
+  assert "model=" not in run.stderr
+  record = disco_train.Settings.for_task("detect").record()
+  assert record["scenes"] == 2000 and "scale" not in record
+  assert "model" not in record and "image_size" not in record
