@@ -11,6 +11,7 @@ by its stage.
 
 from __future__ import annotations
 
+from graphpipe.core.fingerprint import made_for
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.errors import GraphError
@@ -108,6 +109,11 @@ def draw_graph(
   """
   stage_of = {}
   if plan is not None:
+    if not made_for(plan, graph):
+      raise GraphError(
+        "the plan was made for another graph (fingerprints differ): draw "
+        "it on the graph it plans"
+      )
     for stage in plan.stages:
       for v in stage.nodes:
         stage_of[v] = stage.id

@@ -1,10 +1,13 @@
 """Drawing a DAG (`graphpipe.draw_graph`) and a timeline (`draw_gantt`)."""
 
+import dataclasses
+
 import pytest
 
 import graphpipe
 from graphpipe.core.drawing import layout
 from graphpipe.errors import GraphError
+from graphpipe.models import capture_zoo
 from tests.graphpipe.test_planner import candle_like, two_branch
 
 Figure = pytest.importorskip("matplotlib.figure").Figure
@@ -48,8 +51,23 @@ def test_draw_graph_colours_nodes_by_stage():
 
 def test_draw_graph_refuses_a_plan_of_another_graph():
   plan = graphpipe.plan(two_branch(), num_devices=2, batch_size=8)
-  with pytest.raises(GraphError, match="not made for this graph"):
+  with pytest.raises(GraphError, match="made for another graph"):
     graphpipe.draw_graph(candle_like(2), Figure().add_subplot(), plan)
+  # A plan of another graph with as many nodes was drawn, coloured by
+  # stages it never had (simulate refused the same pair).
+  tiny = capture_zoo("two_branch", "tiny")
+  other = capture_zoo("mmt", "tiny")
+  assert len(tiny.nodes) == len(other.nodes)
+  with pytest.raises(GraphError, match="made for another graph"):
+    graphpipe.draw_graph(tiny, Figure().add_subplot(), plan_of(other))
+  # A plan without a fingerprint (written by hand) that leaves nodes out.
+  unsigned = dataclasses.replace(plan, graph_fingerprint="")
+  with pytest.raises(GraphError, match="not made for this graph"):
+    graphpipe.draw_graph(candle_like(2), Figure().add_subplot(), unsigned)
+
+
+def plan_of(graph):
+  return graphpipe.plan(graph, num_devices=4, batch_size=16)
 
 
 def test_draw_gantt_shares_a_time_scale():
