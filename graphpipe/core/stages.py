@@ -59,6 +59,10 @@ class Stage:
     )
 
 
+# Plan fields that live only in memory, never in the plan's JSON.
+_IN_MEMORY = {"graph", "cost_model"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """A stage DAG for a graph, a batch size and a device count.
@@ -77,6 +81,8 @@ class Plan:
     graph_fingerprint: identifies the OpGraph the plan is for.
     graph: the OpGraph itself, when the planner had it (not saved to JSON;
       lets `graphpipe.Trainer(plan, optimizer)` find the program).
+    cost_model: the cost model the planner priced with (not saved to
+      JSON): `graphpipe.simulate(plan, graph)` times the plan with it.
   """
 
   planner: str
@@ -90,6 +96,9 @@ class Plan:
   search_time_s: float = 0.0
   graph_fingerprint: str = ""
   graph: OpGraph | None = dataclasses.field(
+    default=None, compare=False, repr=False
+  )
+  cost_model: object = dataclasses.field(
     default=None, compare=False, repr=False
   )
 
@@ -160,7 +169,7 @@ class Plan:
     d = {
       f.name: getattr(self, f.name)
       for f in dataclasses.fields(self)
-      if f.name != "graph"
+      if f.name not in _IN_MEMORY
     }
     d["stages"] = [dataclasses.asdict(s) for s in self.stages]
     d["stage_edges"] = [list(e) for e in self.stage_edges]
@@ -177,7 +186,7 @@ class Plan:
   def from_dict(cls, d: dict) -> Plan:
     """Inverse of `to_dict` (the graph is not restored)."""
     try:
-      fields = {f.name for f in dataclasses.fields(cls)} - {"graph"}
+      fields = {f.name for f in dataclasses.fields(cls)} - _IN_MEMORY
       kwargs = {k: v for k, v in d.items() if k in fields}
       kwargs["stages"] = tuple(
         Stage(

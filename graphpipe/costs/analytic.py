@@ -206,6 +206,11 @@ def device_spec(name: str) -> DeviceSpec:
   Raises:
     CostModelError: `name` is not a preset.
   """
+  if not isinstance(name, str):
+    raise CostModelError(
+      f"device_spec takes a preset name ({', '.join(PRESETS)}), got a "
+      f"{type(name).__name__}"
+    )
   key = name.lower()
   if key == "cpu":
     return measure_cpu()
@@ -316,6 +321,11 @@ class AnalyticCostModel:
   """
 
   def __init__(self, spec: DeviceSpec, dtype: str = "float32"):
+    if not isinstance(spec, DeviceSpec):
+      raise CostModelError(
+        f"AnalyticCostModel takes a DeviceSpec (e.g. device_spec('v100')), "
+        f"got a {type(spec).__name__}"
+      )
     if dtype not in spec.peak_flops:
       raise CostModelError(
         f"device {spec.name!r} has no peak for dtype {dtype!r}; choose one "

@@ -42,6 +42,8 @@ from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import KINDS, plan_memory
 from graphpipe.core.stages import Plan
 from graphpipe.costs import AnalyticCostModel, DeviceSpec, device_spec
+from graphpipe.costs.analytic import PRESETS
+from graphpipe.errors import PlanError
 from graphpipe.planning import engine
 from graphpipe.planning.arguments import (
   PLANNERS,
@@ -140,10 +142,10 @@ def plan(
     piper_budget,
   )
   num_devices, batch_size = int(num_devices), int(batch_size)
+  device_name = recorded_name(device)
   if cost_model is None:
     spec = device_spec(device) if isinstance(device, str) else device
     cost_model = AnalyticCostModel(spec)
-  device_name = device if isinstance(device, str) else device.name
   if memory_bytes is None:
     memory_bytes = cost_model.memory_bytes
   check_memory_bytes(memory_bytes)
@@ -197,4 +199,29 @@ def plan(
     device=device_name,
     search_time_s=time.perf_counter() - start,
     graph=graph,
+    cost_model=cost_model,
   )
+
+
+def recorded_name(device: str | DeviceSpec) -> str:
+  """The device name a plan records: a preset's name, or for a spec that
+  is not a preset (e.g. a preset with more memory) its name with
+  ' (custom)', which no preset lookup mistakes for the preset.
+
+  Example:
+    >>> v100 = device_spec("v100")
+    >>> recorded_name("v100"), recorded_name(v100)
+    ('v100', 'v100')
+    >>> recorded_name(dataclasses.replace(v100, memory_bytes=32 * 2**30))
+    'v100 (custom)'
+  """
+  if isinstance(device, str):
+    return device
+  if not isinstance(device, DeviceSpec):
+    raise PlanError(
+      f"device must be a preset name ({', '.join(PRESETS)}) or a "
+      f"DeviceSpec, got a {type(device).__name__}"
+    )
+  if device.name.lower() in PRESETS and device == device_spec(device.name):
+    return device.name
+  return f"{device.name} (custom)"

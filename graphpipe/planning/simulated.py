@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
-from graphpipe.costs import AnalyticCostModel, ProfiledCostModel, device_spec
+from graphpipe.costs import (
+  AnalyticCostModel,
+  DeviceSpec,
+  ProfiledCostModel,
+  device_spec,
+)
 from graphpipe.planning.search import plan
 from graphpipe.schedules.builders import schedule_for
 from graphpipe.schedules.grid import Schedule
@@ -22,7 +27,7 @@ def plan_and_simulate(
   num_devices: int,
   batch_size: int,
   planner: str = "graphpipe",
-  device: str = "v100",
+  device: str | DeviceSpec = "v100",
   profiled: bool = False,
   **plan_options,
 ) -> tuple[Plan, Schedule, Report]:
@@ -41,7 +46,8 @@ def plan_and_simulate(
     num_devices: devices the plan may use.
     batch_size: samples per iteration.
     planner: one of `PLANNERS`.
-    device: a device preset of `graphpipe.costs` ('v100', 'a100', ...).
+    device: a device preset of `graphpipe.costs` ('v100', 'a100', ...) or
+      a `DeviceSpec`.
     profiled: time every node on this machine's device (cached on disk)
       instead of the analytic estimate; the preset still gives links,
       memory and the optimizer. Meaningful when the preset describes the
@@ -49,7 +55,8 @@ def plan_and_simulate(
     **plan_options: more options of `graphpipe.plan` (e.g.
       `padding_tolerance`, `per_stage_micro_batches`).
   """
-  cost_model = AnalyticCostModel(device_spec(device))
+  spec = device_spec(device) if isinstance(device, str) else device
+  cost_model = AnalyticCostModel(spec)
   if profiled:
     cost_model = ProfiledCostModel(graph, cost_model)
   chosen = plan(

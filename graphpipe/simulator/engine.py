@@ -39,7 +39,7 @@ from graphpipe.core.fingerprint import made_for
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import plan_memory
 from graphpipe.core.stages import Plan
-from graphpipe.costs.analytic import AnalyticCostModel, device_spec
+from graphpipe.costs.analytic import PRESETS, AnalyticCostModel, device_spec
 from graphpipe.errors import SimulationError
 from graphpipe.schedules.builders import schedule_for
 from graphpipe.schedules.checker import built_for, check_schedule
@@ -218,8 +218,9 @@ def simulate(
     plan: the stage DAG.
     graph: the OpGraph the plan partitions (for node costs and edge bytes).
     cost_model: times of nodes, transfers, all-reduces and optimizer steps;
-      default: the analytic model of the plan's device preset ('v100' when
-      the plan names none).
+      default: the model the plan was made with, else (a plan read from
+      JSON) the analytic model of the plan's device preset ('v100' when the
+      plan names none).
     schedule: the action order; default `schedule_for(plan)`. A given one
       is checked first.
     lockstep: time the schedule as `graphpipe.runtime` executes it: tick by
@@ -238,7 +239,9 @@ def simulate(
       f"'gpipe')), got {schedule!r}"
     )
   if cost_model is None:
-    cost_model = AnalyticCostModel(device_spec(plan.device or "v100"))
+    cost_model = plan.cost_model
+    if cost_model is None:
+      cost_model = _preset_model(plan.device or "v100")
   if schedule is None:
     schedule = schedule_for(plan)
   else:
@@ -471,6 +474,16 @@ def _check_fit(plan: Plan, graph: OpGraph, schedule: Schedule) -> None:
       "the schedule was built for another plan (stages, devices, edges or "
       "micro-batch counts differ): build it with schedule_for(plan)"
     )
+
+
+def _preset_model(device: str) -> AnalyticCostModel:
+  """The analytic model of the preset a plan names."""
+  if device.lower() not in PRESETS:
+    raise SimulationError(
+      f"the plan was made for device {device!r}, not a preset: pass the "
+      "cost model it was made with, simulate(plan, graph, cost_model)"
+    )
+  return AnalyticCostModel(device_spec(device))
 
 
 def _short(ids: Sequence[int]) -> str:

@@ -17,6 +17,7 @@ from flax import nnx
 
 import graphpipe
 from graphpipe import OpGraph, Plan
+from graphpipe.costs import AnalyticCostModel, device_spec
 from graphpipe.errors import (
   CaptureError,
   CostModelError,
@@ -37,6 +38,12 @@ from tests.graphpipe.bad_input_context import (
   set_node,
   with_leaf,
 )
+
+
+def _custom_device_plan(c) -> Plan:
+  v100 = device_spec("v100")
+  spec = dataclasses.replace(v100, memory_bytes=2 * v100.memory_bytes)
+  return graphpipe.plan(c.graph, 2, 16, device=spec)
 
 
 def _heavier(graph: OpGraph) -> OpGraph:
@@ -396,7 +403,38 @@ ROWS = [
     CostModelError,
     "unknown device preset",
   ),
+  (
+    "plan-device-not-a-name",
+    lambda c: graphpipe.plan(c.graph, 2, 16, device=100),
+    PlanError,
+    "or a DeviceSpec, got a int",
+  ),
+  # graphpipe.costs
+  (
+    # "'DeviceSpec' object has no attribute 'lower'" before (also through
+    # plan_and_simulate, which now takes a spec as plan does).
+    "costs-device-spec-of-a-spec",
+    lambda c: device_spec(device_spec("v100")),
+    CostModelError,
+    "device_spec takes a preset name",
+  ),
+  (
+    "costs-model-of-a-name",  # "'str' object has no attribute" before
+    lambda c: AnalyticCostModel("v100"),
+    CostModelError,
+    "AnalyticCostModel takes a DeviceSpec",
+  ),
   # graphpipe.simulate
+  (
+    # A plan made for a spec of its own, read back from JSON: simulated
+    # against the preset of the same name before.
+    "simulate-custom-device-plan-from-json",
+    lambda c: graphpipe.simulate(
+      Plan.from_dict(_custom_device_plan(c).to_dict()), c.graph
+    ),
+    SimulationError,
+    "not a preset: pass the cost model",
+  ),
   (
     "simulate-plan-of-another-graph",
     lambda c: graphpipe.simulate(

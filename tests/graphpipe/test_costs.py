@@ -232,3 +232,26 @@ def test_interpolation_is_piecewise_linear():
   np.testing.assert_allclose(values, [2.0, 2.0, 2.0, 2.0, 2.0])
   # Below the smallest size time falls at most with the batch.
   assert _interpolate((2, 8), (2.0, 8.0), 1) == 1.0
+
+
+def test_device_spec_and_the_model_refuse_each_others_arguments():
+  # plan_and_simulate(device=spec) failed with "'DeviceSpec' object has no
+  # attribute 'lower'"; AnalyticCostModel("v100") with no 'peak_flops'.
+  from graphpipe.costs import AnalyticCostModel, device_spec
+  from graphpipe.errors import CostModelError
+  from graphpipe.models import capture_zoo
+
+  spec = dataclasses.replace(device_spec("v100"), memory_bytes=32 * 2**30)
+  with pytest.raises(CostModelError, match="takes a preset name"):
+    device_spec(spec)
+  with pytest.raises(CostModelError, match="takes a DeviceSpec"):
+    AnalyticCostModel("v100")
+  with pytest.raises(graphpipe.PlanError, match="or a DeviceSpec, got a int"):
+    graphpipe.plan(capture_zoo("two_branch", "tiny"), 2, 8, device=100)
+  graph = capture_zoo("two_branch", "tiny")
+  p, _, report = graphpipe.plan_and_simulate(
+    graph, num_devices=2, batch_size=8, device=spec
+  )
+  assert p.device == "v100 (custom)" and report.memory_capacity_bytes == (
+    spec.memory_bytes
+  )

@@ -257,3 +257,32 @@ def test_lockstep_matches_tick_by_tick_count():
   )
   assert simulate(plan, graph, Fixed()).iteration_time_s == 15.0
   assert simulate(plan, graph, Fixed(), lockstep=True).iteration_time_s == 18.0
+
+
+def test_a_plan_is_simulated_with_the_model_it_was_made_with():
+  # A plan made for a spec of its own (the DeviceSpec docstring's 32 GB
+  # V100, or twice the FLOP/s) was simulated against the 16 GB preset:
+  # "peak memory 25.9 GiB of 15.8 GiB", fits_memory False, and the
+  # faster device's plan timed twice as slow.
+  import graphpipe
+  from graphpipe.costs import AnalyticCostModel, device_spec
+  from graphpipe.models import capture_zoo
+
+  graph = capture_zoo("two_branch", "tiny")
+  v100 = device_spec("v100")
+  fast = dataclasses.replace(v100, peak_flops={"float32": 31.4e12})
+  p = graphpipe.plan(graph, 2, 8, device=fast)
+  assert p.device == "v100 (custom)"
+  own = simulate(p, graph, AnalyticCostModel(fast)).iteration_time_s
+  assert simulate(p, graph).iteration_time_s == own
+  preset = simulate(p, graph, AnalyticCostModel(v100)).iteration_time_s
+  assert preset > own
+  # Read back from JSON the plan has no model: the custom device is no
+  # preset, so the simulator asks for its model instead of guessing.
+  again = type(p).from_dict(json.loads(json.dumps(p.to_dict())))
+  assert again.cost_model is None and again == p
+  with pytest.raises(SimulationError, match="not a preset: pass the cost"):
+    simulate(again, graph)
+  assert simulate(again, graph, AnalyticCostModel(fast)).iteration_time_s == own
+  # A preset by value records the preset's name.
+  assert graphpipe.plan(graph, 2, 8, device=v100).device == "v100"
