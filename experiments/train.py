@@ -42,6 +42,13 @@ def define_flags():
   flags.DEFINE_integer(
     "num_processes", 1, "Local processes (N/P devices each).", lower_bound=1
   )
+  flags.DEFINE_integer(
+    "timeout",
+    3600,
+    "With --num_processes > 1: seconds the processes may run before they "
+    "are stopped and the run fails.",
+    lower_bound=1,
+  )
   flags.DEFINE_enum("planner", "graphpipe", PLANNERS, "Planner.")
   common.define_piper_budget()
   flags.DEFINE_integer("steps", 5, "Optimizer steps.", lower_bound=1)
@@ -203,6 +210,7 @@ def main(argv):
         ["-m", "experiments.train", *sys.argv[1:]],
         options.num_processes,
         options.num_devices // options.num_processes,
+        timeout=options.timeout,
       )
     except GraphpipeError as err:
       print(f"error: {err}", file=sys.stderr)

@@ -24,6 +24,7 @@ ROWS = [
   ("train", ["--optimizer=lion"], "value should be one of"),
   ("train", ["--num_devices=0"], "is not a positive integer"),
   ("train", ["--num_processes=0"], "is not a positive integer"),
+  ("train", ["--timeout=0"], "is not a positive integer"),
   ("train", ["--steps=0"], "is not a positive integer"),
   ("train", ["--batch_size=-4"], "is not a positive integer"),
   ("train", ["--learning_rate=-1"], "is not a non-negative"),

@@ -136,9 +136,11 @@ def launch(
         grace = heartbeat_timeout + shutdown_timeout + 10
         deadline = min(deadline, time.monotonic() + grace)
   finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
+    # Still running here = past the deadline (or launch itself was
+    # interrupted): the drain threads record them as ended once killed.
+    unfinished = [pid for pid, proc in enumerate(procs) if proc.poll() is None]
+    for pid in unfinished:
+      procs[pid].kill()
     for thread in threads:
       thread.join(timeout=10)
   if failed is not None:
@@ -148,9 +150,9 @@ def launch(
       returncode=procs[failed].returncode,
       outputs=outputs,
     )
-  if any(t is None for t in ended):
+  if unfinished or any(t is None for t in ended):
     raise LaunchError(
-      f"processes did not finish in {timeout} s:\n"
+      f"processes {unfinished} did not finish in {timeout} s (killed):\n"
       + _tails(procs, outputs, range(num_processes)),
       outputs=outputs,
     )

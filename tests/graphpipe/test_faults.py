@@ -125,3 +125,14 @@ def test_launch_leaves_no_pipe_open(tmp_path):
     gc.collect()
   leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
   assert not leaks, [str(w.message) for w in leaks]
+
+
+def test_a_run_past_its_timeout_is_an_error():
+  # launch returned the partial outputs as a success (the killed processes
+  # counted as finished), so `experiments.train --num_processes=2` exited 0
+  # after 10 minutes with no results.
+  code = "import sys, time; print('started', flush=True); time.sleep(60)"
+  start = time.monotonic()
+  with pytest.raises(LaunchError, match=r"processes \[0, 1\] did not finish"):
+    launch(["-c", code], 2, 1, timeout=3, **QUICK)
+  assert time.monotonic() - start < 30
