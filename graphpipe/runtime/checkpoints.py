@@ -32,16 +32,18 @@ def save(trainer, state, directory: str) -> None:
   directory = os.path.abspath(directory)
   mark = os.path.join(directory, MARK)
   step = int(np.asarray(state.step.addressable_shards[0].data))
-  if jax.process_index() == 0:
-    try:
-      os.makedirs(directory, exist_ok=True)
-    except OSError as err:  # a file of that name, no permission, ...
-      raise PipelineRuntimeError(
-        f"cannot save a checkpoint to {directory}: {err.strerror or err} "
-        "(a checkpoint is a folder; pick a path where one can be made)"
-      ) from None
-    if os.path.exists(mark):
-      os.remove(mark)
+  # Every process checks the path (the processes of a run share the
+  # folder), so all refuse a bad one alike instead of process 0 alone
+  # while the others enter orbax's collectives.
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as err:  # a file of that name, no permission, ...
+    raise PipelineRuntimeError(
+      f"cannot save a checkpoint to {directory}: {err.strerror or err} "
+      "(a checkpoint is a folder; pick a path where one can be made)"
+    ) from None
+  if jax.process_index() == 0 and os.path.lexists(mark):
+    os.remove(mark)
   try:
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(os.path.join(directory, STATE), state, force=True)
@@ -61,10 +63,35 @@ def save(trainer, state, directory: str) -> None:
   if jax.process_index() == 0:
     partial = mark + ".partial"
     with open(partial, "w") as f:
-      json.dump({"signature": trainer._signature(), "step": step}, f)
+      json.dump(
+        {
+          "signature": trainer._signature(),
+          "step": step,
+          "optimizer": _optimizer_layout(trainer),
+        },
+        f,
+      )
       f.flush()
       os.fsync(f.fileno())
     os.replace(partial, mark)
+  if jax.process_count() > 1:
+    # No process returns before the mark is written: the others returned
+    # at once, and `latest` or `restore` right after the save saw the
+    # checkpoint incomplete on them (and the previous step as the latest).
+    _barrier(f"graphpipe_save_{step}_{directory}", directory)
+
+
+def _barrier(name: str, directory: str) -> None:
+  from jax.experimental import multihost_utils
+
+  try:
+    multihost_utils.sync_global_devices(name)
+  except Exception as err:  # a peer died after writing its part
+    raise ProcessLostError(
+      f"process {jax.process_index()} of {jax.process_count()}: the save "
+      f"to {directory} was written but a process did not reach its end "
+      f"({type(err).__name__}: {str(err)[:200]})"
+    ) from None
 
 
 def read_mark(directory: str) -> dict | None:
@@ -107,6 +134,15 @@ def restore(trainer, directory: str):
       "this checkpoint was written for another plan or graph "
       f"(saved {mark['signature']}, this trainer {trainer._signature()})"
     )
+  # Marks written before the optimizer was recorded have no entry.
+  saved = mark.get("optimizer", _optimizer_layout(trainer))
+  if saved != _optimizer_layout(trainer):
+    raise PipelineRuntimeError(
+      "this checkpoint was written with another optimizer: its state is "
+      f"{_short(saved['tree'])}, this trainer's "
+      f"{_short(_optimizer_layout(trainer)['tree'])}; build the Trainer "
+      "with the optimizer the run was saved with"
+    )
   try:
     # Closed on the way out, failed reads included: an unclosed checkpointer
     # leaves its background event loop to the garbage collector.
@@ -128,11 +164,26 @@ def restore(trainer, directory: str):
   return state
 
 
+def _optimizer_layout(trainer) -> dict:
+  """The structure and shapes of the trainer's optimizer state (what a
+  checkpoint's arrays must match; the hyperparameters may differ)."""
+  opt_state = trainer._expected_state.opt_state
+  return {
+    "tree": str(jax.tree.structure(opt_state)),
+    "shapes": [list(x.shape) for x in jax.tree.leaves(opt_state)],
+  }
+
+
+def _short(text: str) -> str:
+  return text if len(text) <= 160 else text[:157] + "..."
+
+
 def latest(root: str) -> str | None:
   """The committed checkpoint of highest step among the folders of `root`.
 
   Folders without a commit mark (saves that did not finish, other files)
-  are skipped; None when there is none (or `root` does not exist).
+  are skipped; None when there is none (or `root` does not exist or is
+  a file).
 
   Example:
     >>> latest("/nonexistent") is None
@@ -141,7 +192,7 @@ def latest(root: str) -> str | None:
   best, best_step = None, -1
   try:
     names = sorted(os.listdir(root))
-  except FileNotFoundError:
+  except (FileNotFoundError, NotADirectoryError):
     return None
   for name in names:
     path = os.path.join(root, name)

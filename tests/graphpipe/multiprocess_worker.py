@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import graphpipe  # noqa: E402
 from graphpipe.core.stages import Plan, Stage, in_flight_counts  # noqa: E402
-from graphpipe.runtime import Trainer  # noqa: E402
+from graphpipe.runtime import Trainer, checkpoints  # noqa: E402
 
 STEPS = 3
 SAVE_AFTER = 2  # steps taken when the checkpoint is written
@@ -184,6 +184,20 @@ def split_batch_packs_the_same() -> bool:
   return bool(np.array_equal(*words))
 
 
+def refuses_a_file(tr, state, out) -> bool:
+  """Whether saving to a file's path fails clearly on this process (only
+  process 0 checked the path; the others went on into orbax's
+  collectives)."""
+  path = os.path.join(out, "not_a_folder")
+  with open(path, "w") as f:  # every process writes the same file
+    f.write("x")
+  try:
+    tr.save(state, path)
+  except graphpipe.errors.PipelineRuntimeError as err:
+    return "cannot save a checkpoint" in str(err)
+  return False
+
+
 def run(mode, out, ckpt):
   tr = trainer()
   if mode == "train":
@@ -191,12 +205,16 @@ def run(mode, out, ckpt):
   else:
     state, first = tr.restore(ckpt), SAVE_AFTER
   mesh = tr.mesh.devices.ravel()
-  losses = []
+  losses, committed, refused = [], None, None
   for s in range(first, STEPS):
     state, metrics = tr.step(state, batch(s))
     losses.append(metrics["loss"])
     if mode == "train" and s + 1 == SAVE_AFTER:
+      refused = refuses_a_file(tr, state, out)
       tr.save(state, ckpt)
+      # Committed when save returns, on every process (process 1 returned
+      # before process 0 had written the mark).
+      committed = checkpoints.read_mark(ckpt) is not None
   params = tr.params(state)  # gathered from every process
   if jax.process_index() == 0:
     np.savez(os.path.join(out, f"params_{mode}.npz"), **params)
@@ -207,6 +225,8 @@ def run(mode, out, ckpt):
     "cross_processes": [int(mesh[d].process_index) for d in GROUPS[CROSS][1]],
     "replicas_identical": replicas_identical(tr, state),
     "split_batch": split_batch_packs_the_same() if mode == "train" else None,
+    "committed_on_return": committed,
+    "refused_a_file": refused,
   }
 
 

@@ -337,7 +337,9 @@ ROWS = [
       c.checkpoint("c7")
     ),
     PipelineRuntimeError,
-    "the saved arrays cannot be read",
+    # "the saved arrays cannot be read ...; the checkpoint is damaged"
+    # before: it blamed a sound checkpoint.
+    "written with another optimizer: its state is",
   ),
   (
     "restore-other-model",

@@ -136,3 +136,11 @@ def test_a_run_past_its_timeout_is_an_error():
   with pytest.raises(LaunchError, match=r"processes \[0, 1\] did not finish"):
     launch(["-c", code], 2, 1, timeout=3, **QUICK)
   assert time.monotonic() - start < 30
+
+
+def test_latest_of_a_file_is_none(tmp_path):
+  # NotADirectoryError before; the docstring promises None.
+  path = tmp_path / "afile"
+  path.write_text("x")
+  assert checkpoints.latest(str(path)) is None
+  assert checkpoints.latest(str(path / "sub")) is None

@@ -60,6 +60,9 @@ def test_two_processes_reproduce_one_process(tmp_path):
       assert result["replicas_identical"], (mode, process)
       # A batch split over the processes' devices packs like a whole one.
       assert result["split_batch"] is (True if mode == "train" else None)
+      train = mode == "train"
+      assert result["committed_on_return"] is (True if train else None)
+      assert result["refused_a_file"] is (True if train else None)
       assert result["losses"] == want[first:]  # bit for bit
     with np.load(os.path.join(out, f"params_{mode}.npz")) as got:
       assert sorted(got.files) == sorted(want_params)
