@@ -190,8 +190,9 @@ def count(model: nnx.Module, input_shape=None, *, itemsize: int = 4):
   Args:
     model: a model (or layer) built from DISCO layers; its parameters may be
       abstract (`nnx.eval_shape`), its masks must be concrete.
-    input_shape: shape of one input, batch 1 first; by default the model's
-      `config` gives (1, image_size, image_size, in_channels).
+    input_shape: shape of the input, batch first; by default the model's
+      `config` gives (1, image_size, image_size, in_channels). A batch of
+      b counts b inferences (every figure b times batch 1's).
     itemsize: bytes per activation value sent or held.
 
   Returns:

@@ -11,6 +11,7 @@ from disco.models import (
   ResNet,
   ResNetConfig,
   ViT,
+  ViTConfig,
   deit_tiny_config,
   resnet50_config,
 )
@@ -149,3 +150,20 @@ def test_count_needs_an_input_shape_and_disco_layers():
     metrics.count(TwoLayers())
   with pytest.raises(DiscoError, match="no DISCO layer"):
     metrics.count(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), input_shape=(1, 2))
+
+
+@pytest.mark.parametrize("kind", ["vit", "resnet"])
+def test_a_batch_counts_its_inferences(kind):
+  # Attention squared the batch's tokens: a tiny ViT at batch 64 counted 8x
+  # the FLOPs, and disco_infer calibrated its latency model on them.
+  if kind == "vit":
+    model = ViT(ViTConfig(num_nodes=2, dim=32, depth=1, mlp_dim=64),
+                rngs=nnx.Rngs(0))  # fmt: skip
+  else:
+    model = ResNet(ResNetConfig(num_nodes=2), rngs=nnx.Rngs(0))
+  c = model.config
+  one = metrics.count(model)
+  many = metrics.count(
+    model, input_shape=(5, c.image_size, c.image_size, c.in_channels)
+  )
+  assert many.flops == 5 * one.flops and many.bytes_sent == 5 * one.bytes_sent
