@@ -96,7 +96,8 @@ def mask_groups(model: nnx.Module) -> list[MaskGroup]:
 
 
 def comm_ratio(model: nnx.Module) -> float:
-  """Kept channel groups / all channel groups of the model (1 = dense).
+  """Kept channel groups / all channel groups of the model (1 = dense; a
+  model without cross-node weights, e.g. on one node, is dense: 1).
 
   Example:
     >>> from flax import nnx
@@ -110,7 +111,7 @@ def comm_ratio(model: nnx.Module) -> float:
   groups = mask_groups(model)
   total = sum(int(g.cross.sum()) for g in groups)
   kept = sum(int(g.kept().sum()) for g in groups)
-  return kept / total if total else 0.0
+  return kept / total if total else 1.0
 
 
 def to_ratio(

@@ -212,8 +212,13 @@ def run(settings: Settings, out: str) -> dict:
   common.log(
     f"bytes per inference: measured {results['bytes_per_inference_measured']}"
     f", from masks {results['bytes_per_inference_from_masks']}, dense "
-    f"{results['bytes_per_inference_dense']} "
-    f"({results['dense_over_disco_bytes']:.1f}x)"
+    f"{results['bytes_per_inference_dense']} ("
+    + (
+      "DISCO sends nothing"
+      if results["dense_over_disco_bytes"] is None
+      else f"{results['dense_over_disco_bytes']:.1f}x"
+    )
+    + ")"
   )
   results["latency_ms"] = _measure(
     single, dense, disco, shape, batch, settings.repeats
@@ -293,8 +298,11 @@ def _bytes(model, disco, dense, batch: int) -> dict:
       "disco_busiest_node": max(disco_report.flops_per_node),
     },
   }
-  figures["dense_over_disco_bytes"] = dense_report.bytes_sent / max(
-    disco_report.bytes_sent, 1
+  # None where DISCO sends nothing (one node, or no communication kept).
+  figures["dense_over_disco_bytes"] = (
+    dense_report.bytes_sent / disco_report.bytes_sent
+    if disco_report.bytes_sent
+    else None
   )
   return figures
 

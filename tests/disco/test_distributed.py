@@ -286,3 +286,29 @@ def test_a_model_in_training_mode_is_warned_about():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     distributed.distribute(model)
+
+
+def test_experiment_on_a_one_node_checkpoint(tmp_path):
+  # A one-node model has no cross-node weights: its comm ratio read 0 (no
+  # communication), so the 2- and 4-node "disco" predictions were of the
+  # no-communication model, and dense / DISCO bytes printed "0 (0.0x)".
+  disco_infer = importlib.import_module("experiments.disco_infer")
+  model, _, _, _ = compiled(("resnet", 1, 1.0))
+  assert prune.comm_ratio(model) == 1.0
+  checkpoint.save(model, str(tmp_path / "ckpt"))
+  settings = disco_infer.Settings(
+    str(tmp_path / "ckpt"),
+    num_nodes=1,
+    dataset="synthetic",
+    batch_size=4,
+    repeats=1,
+  )
+  written = disco_infer.run(settings, str(tmp_path / "out"))
+  assert written["bytes_per_inference_measured"] == 0
+  assert written["dense_over_disco_bytes"] is None
+  latency = written["latency_model"]
+  assert latency["comm_ratio"] == 1.0
+  for key in ("per_image", "per_batch"):
+    curves = latency["predicted_ms"][key]
+    for nodes in (2, 4):
+      assert curves[f"disco_{nodes}_nodes"] == curves[f"dense_{nodes}_nodes"]
