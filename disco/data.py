@@ -278,6 +278,13 @@ def _stratified(name, images, labels, test_fraction, seed) -> Dataset:
   for label in np.unique(labels):
     members = rng.permutation(np.flatnonzero(labels == label))
     test[members[: round(test_fraction * len(members))]] = True
+  if not test.any() or test.all():
+    # disco_infer failed on the empty split with a raw concatenate error.
+    side = "no image" if not test.any() else "every image"
+    raise DataError(
+      f"test_fraction {test_fraction} holds out {side} of the {len(labels)} "
+      f"{name} images (it is rounded per class): take a fraction nearer 0.5"
+    )
   train = rng.permutation(np.flatnonzero(~test))
   return Dataset(
     name, images[train], labels[train], images[test], labels[test], 10

@@ -83,11 +83,12 @@ class DistributedModel:
     """
     images = np.asarray(images)
     shape = self.image_shape
+    if not jnp.issubdtype(images.dtype, jnp.number):  # bfloat16 is one
+      raise DistributedError(f"images must be numbers, got {images.dtype}")
     if (
       images.ndim != 4
       or images.shape[1:] != self.image_shape
       or images.shape[0] < 1
-      or not np.issubdtype(images.dtype, np.number)
     ):
       raise DistributedError(
         f"expected images of shape (batch, {', '.join(map(str, shape))}) "

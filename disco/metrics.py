@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from disco.errors import MetricsError
+from disco.errors import MetricsError, require_number
 from disco.layers import CommMask, DiscoLayer
 from disco.observe import Observed
 from disco.ops import OneDevice
@@ -340,6 +340,12 @@ class LatencyModel:
   bytes_per_second: float
   message_latency: float
   shared: bool = False
+
+  def __post_init__(self):
+    # Rates of 0 divided by zero; negative ones gave negative latencies.
+    for name in ("flops_per_second", "bytes_per_second"):
+      require_number(name, getattr(self, name), True, MetricsError)
+    require_number("message_latency", self.message_latency, False, MetricsError)
 
   def layer_times(self, report: CostReport) -> list[tuple[float, float]]:
     """(compute seconds, communication seconds) per layer."""

@@ -116,6 +116,12 @@ def build(name: str, keep: bool | None, ratio: float):
   return model if keep is None else metrics.with_masks(model, keep)
 
 
+def timed_batches(batch: int) -> list[int]:
+  """The batch sizes each model is timed at: 1 and `batch`, once each
+  (--batch=1 wrote two rows of batch 1)."""
+  return sorted({1, batch})
+
+
 def _node(settings: dict) -> None:
   """One node's process: times dense and DISCO; node 0 adds one device."""
   from graphpipe.runtime.launch import initialize_from_env
@@ -128,7 +134,7 @@ def _node(settings: dict) -> None:
   mesh = distributed.node_mesh(2)
   rows = []
   for name in settings["models"]:
-    for batch in (1, settings["batch"]):
+    for batch in timed_batches(settings["batch"]):
       row = {"model": name, "batch": batch}
       for variant, keep in (("dense", True), ("disco", None)):
         model = build(name, keep, settings["comm_ratio"])

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from disco import lowering
-from disco.errors import ConfigError
+from disco.errors import ConfigError, InputError
 from disco.layers import DiscoConv, DiscoDense, DiscoLayer
 from disco.ops import ONE_DEVICE, Ops
 from disco.transformer import (
@@ -195,6 +195,15 @@ class ViT(nnx.Module):
 
   def forward(self, x: jax.Array, ops: Ops) -> jax.Array:
     """The logits on one device, or on a node (`disco.ops`)."""
+    c = self.config
+    want = (c.image_size, c.image_size, c.in_channels)
+    if x.ndim != 4 or tuple(x.shape[1:]) != want:
+      # The position embeddings fix the patch count: a larger image failed
+      # to broadcast, a smaller one not a multiple of the patch was cropped.
+      raise InputError(
+        f"this ViT takes images of shape (batch, {', '.join(map(str, want))})"
+        f", got {tuple(x.shape)}"
+      )
     x = ops.layer(self.patch_embed, x)
     x = x.reshape(x.shape[0], -1, x.shape[-1])
     cls = ops.param(self.cls_token)

@@ -21,6 +21,7 @@ from disco.errors import (
   DataError,
   DistributedError,
   InputError,
+  MetricsError,
   PartitionError,
   PruneError,
 )
@@ -273,6 +274,14 @@ ROWS = [
     "image_size >= 1",
   ),
   (
+    # An empty held-out split: disco_infer failed with "need at least one
+    # array to concatenate".
+    "digits-test-fraction-holding-out-nothing",
+    lambda c: data.digits(test_fraction=0.001),
+    DataError,
+    "holds out no image of the 1797 digits images",
+  ),
+  (
     "digits-test-fraction-above-1",
     lambda c: data.digits(test_fraction=1.5),
     DataError,
@@ -469,6 +478,42 @@ ROWS = [
     lambda c: distributed.distribute(c.model, distributed.node_mesh(3)),
     DistributedError,
     "needs a 'node' axis of size 2",
+  ),
+  (
+    # Said "expected images of shape ..., got <U1 (2, 16, 16, 1)": the
+    # shape was right.
+    "distributed-call-strings",
+    lambda c: distributed.distribute(c.model)(np.full((2, 16, 16, 1), "a")),
+    DistributedError,
+    "images must be numbers, got <U1",
+  ),
+  (
+    # A raw "incompatible shapes for broadcasting" (larger image), or a
+    # silent crop (18 x 18 run as 16 x 16).
+    "metrics-vit-image-of-another-size",
+    lambda c: metrics.count(
+      ViT(ViTConfig(num_nodes=2), rngs=nnx.Rngs(0)), (1, 18, 18, 1)
+    ),
+    InputError,
+    r"this ViT takes images of shape \(batch, 16, 16, 1\), got",
+  ),
+  (
+    "latency-model-rate-0",  # ZeroDivisionError before
+    lambda c: metrics.LatencyModel(0, 1e6, 0),
+    MetricsError,
+    "flops_per_second must be a finite number > 0",
+  ),
+  (
+    "latency-model-negative-bandwidth",  # a positive latency before
+    lambda c: metrics.LatencyModel(1e9, -1e6, 0),
+    MetricsError,
+    "bytes_per_second must be a finite number > 0",
+  ),
+  (
+    "latency-model-negative-message-latency",  # negative latencies before
+    lambda c: metrics.LatencyModel(1e9, 1e6, -1.0),
+    MetricsError,
+    "message_latency must be a finite number >= 0",
   ),
   (
     "distributed-call-wrong-shape",

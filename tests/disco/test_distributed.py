@@ -178,6 +178,15 @@ def test_input_of_the_wrong_shape_is_refused(images):
     run(images)
 
 
+def test_bfloat16_images_are_taken_like_float16_ones():
+  # Refused before ("expected images of shape ..."): numpy does not count
+  # ml_dtypes' bfloat16 as a number.
+  _, images, run, _ = compiled(("resnet", 2, 0.0))
+  low = np.asarray(images).astype(jnp.bfloat16)
+  want = run(low.astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(run(low)), np.asarray(want))
+
+
 def test_unsupported_model_and_too_few_devices_are_refused():
   with pytest.raises(DiscoError, match="cannot be distributed"):
     distributed.distribute(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))

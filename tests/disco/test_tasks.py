@@ -138,6 +138,8 @@ def test_latency_prediction_on_a_shared_link():
   shared = metrics.LatencyModel(1e9, 100e6 / 8, 1e-4, shared=True)
   assert own.latency(report) < shared.latency(report) < 2 * own.latency(report)
   assert disco_latency.namespace_command(100, "true")[-1].endswith("&& true")
+  assert disco_latency.timed_batches(1) == [1]
+  assert disco_latency.timed_batches(64) == [1, 64]
 
 
 @pytest.mark.parametrize("size", [20])
