@@ -61,6 +61,16 @@ PADDING_TOLERANCE = 0.015
 PADDING_MIN_BYTES = 2**20
 # Local search starts from the best plan of this many micro-batch sizes.
 _REFINED = 3
+# Where no candidate fits memory (`repair`): walks of at most _REPAIR_STEPS
+# plans from the partitions nearest to fitting of the _REPAIR_WALKS
+# nearest micro-batch sizes, if within _REPAIR_REACH times the budget; a
+# plan over memory scores _OVER seconds per budget it holds. The
+# partitioners' offers under _REPAIR_BUDGETS (x the budget) start too.
+_REPAIR_WALKS = 1
+_REPAIR_STEPS = 60
+_REPAIR_REACH = 1.5
+_REPAIR_BUDGETS = (0.7, 0.85, _REPAIR_REACH)
+_OVER = 1e9
 
 
 def _partitioner(
@@ -89,6 +99,7 @@ def run_search(
   padding_tolerance: float | None = None,
   feasible_only: bool = False,
   max_padding: float | None = None,
+  accept_bytes: float | None = None,
 ) -> Plan | None:
   """The fastest candidate plan (see the module docstring), or None.
 
@@ -101,6 +112,8 @@ def run_search(
   """
   if padding_tolerance is None:
     padding_tolerance = PADDING_TOLERANCE
+  if accept_bytes is None:
+    accept_bytes = memory_bytes
   costs = StageCosts(
     graph, cost_model, batch_size, num_devices, memory_bytes, memory_kinds
   )
@@ -129,7 +142,7 @@ def run_search(
       # runtime's per-device figure, not each stage's own, must fit.
       if ok:
         memory = plan_memory(graph, p)
-        ok = memory.largest_of(memory_kinds) <= costs.memory_bytes
+        ok = memory.largest_of(memory_kinds) <= accept_bytes
         if max_padding is not None:
           ok = ok and memory.padding_fraction <= max_padding
       if ok:
@@ -162,6 +175,7 @@ def run_search(
         if evaluate(spent) is not None:
           continue
       evaluate(part)
+  offered = bool(candidates)  # the partitioners offered some partition
   everything = tuple(range(len(graph.nodes)))
   if max_padding is not None:
     # No padding at all: the whole model on k devices, data parallel.
@@ -176,6 +190,36 @@ def run_search(
     schedule = "gpipe" if planner == "gpipe" else "1f1b"
     for b in sizes:
       evaluate(Partition(((everything, 1),), b, schedule=schedule))
+  if not any(c is not None for c in candidates.values()):
+
+    def offers(factor: float) -> list[Partition]:
+      """The partitioners' partitions under `factor` x the budget (over
+      it: of the smallest micro-batch sizes only, which need the least
+      memory)."""
+      other = StageCosts(
+        graph,
+        cost_model,
+        batch_size,
+        num_devices,
+        memory_bytes * factor,
+        memory_kinds,
+      )
+      offer = _partitioner(graph, planner, other, piper_budget)
+      some = sorted(sizes)[:_REPAIR_WALKS] if factor > 1 else sizes
+      return [part for b in some for part in offer(b)]
+
+    # Piper's search is exponential: it is not run again.
+    again = None if planner == "piper" else offers
+    repair(
+      graph,
+      list(candidates),
+      again,
+      offered,
+      evaluate,
+      costs,
+      planner,
+      accept_bytes,
+    )
   ranked = sorted(
     ((c[:3], part) for part, c in candidates.items() if c is not None),
     key=lambda x: x[0],
@@ -274,6 +318,81 @@ def run_search(
     [(c[0], c[4].padding_fraction, c) for c in close],
     padding_tolerance,
   )[3]
+
+
+def repair(
+  graph: OpGraph,
+  starts: list[Partition],
+  offers: Callable[[float], list[Partition]] | None,
+  offered: bool,
+  evaluate: Callable[[Partition], tuple | None],
+  costs: StageCosts,
+  planner: str,
+  accept_bytes: float,
+) -> None:
+  """Where no candidate fits memory: the partitioners' offers under other
+  budgets, then local search from the partitions nearest to fitting, first
+  towards less memory, then, within the budget, towards less time (what
+  fits, `evaluate` records as a candidate).
+
+  The partitioners bound each stage's memory, but every device holds what
+  the largest stage needs of each kind (`plan_memory`), which no stage
+  sees: a budget may pass stages whose plan is over it while a tighter
+  budget, or a move the DP cannot make (a join stage taking the tails of
+  two branches), gives a plan that fits. Without this a larger budget
+  could lose a plan a smaller one found.
+
+  Args:
+    starts: the partitions priced so far (none fits).
+    offers: the partitioners' partitions under a factor x the budget; None:
+      not to be searched again (Piper).
+    offered: whether the partitioners offered any partition under the
+      budget (if not, they offer none under a tighter one either).
+  """
+  kinds = costs.memory_kinds
+  memory: dict[Partition, float] = {}
+
+  def ratio(part: Partition) -> float:
+    if part not in memory:
+      p = assemble(graph, part, costs, planner)
+      memory[part] = plan_memory(graph, p).largest_of(kinds) / accept_bytes
+    return memory[part]
+
+  def relaxed(part: Partition) -> float:
+    found = evaluate(part)
+    return found[0] if found is not None else _OVER * ratio(part)
+
+  pool = dict.fromkeys(starts)
+  for factor in _REPAIR_BUDGETS if offers is not None else ():
+    if factor < 1 and not offered:
+      continue
+    fresh = dict.fromkeys(offers(factor))
+    if any(evaluate(part) is not None for part in fresh):
+      return  # one fits: the search goes on from it
+    pool.update(fresh)
+  near: dict[int, tuple[float, Partition]] = {}  # nearest of each size
+  for part in pool:
+    if part.schedule == "1f1b" and not part.sizes:
+      over = ratio(part)
+      b = part.micro_batch_size
+      if b not in near or over < near[b][0]:
+        near[b] = (over, part)
+  nearest = sorted(near.values(), key=lambda x: x[0])[:_REPAIR_WALKS]
+  for over, part in nearest:
+    if over > _REPAIR_REACH:
+      break
+    b = part.micro_batch_size
+    found = refine(
+      graph,
+      part,
+      costs.num_devices,
+      relaxed,
+      lambda nodes, k, b=b: costs.microbatch_time(nodes, b, k),
+      budget=_REPAIR_STEPS,
+      micro_batches=costs.batch_size // b,
+    )
+    if relaxed(found) < _OVER:
+      return  # within memory: the search's own local search goes on
 
 
 def least_padded(timed, tolerance: float):
