@@ -232,10 +232,15 @@ def leave(message: str, code: int = 1) -> None:
 
 
 def initialize_from_env() -> bool:
-  """Joins the run `launch` started; False when not launched by it."""
+  """Joins the run `launch` started; False when not launched by it. A
+  second call (e.g. from a module that called it on import) is a no-op
+  (JAX's own initialize raises on a second call)."""
   if ENV_COORDINATOR not in os.environ:
     return False
   import jax
+
+  if jax.distributed.is_initialized():
+    return True
 
   init, heartbeat, shutdown = (
     int(x) for x in os.environ.get(ENV_TIMEOUTS, "300,100,300").split(",")

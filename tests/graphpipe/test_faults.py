@@ -144,3 +144,15 @@ def test_latest_of_a_file_is_none(tmp_path):
   path.write_text("x")
   assert checkpoints.latest(str(path)) is None
   assert checkpoints.latest(str(path / "sub")) is None
+
+
+def test_joining_twice_is_a_no_op():
+  # A module that joined on import, then the script: JAX's initialize
+  # raised "should only be called once".
+  code = (
+    "from graphpipe.runtime.launch import initialize_from_env as join; "
+    "import jax; print(join(), join(), jax.process_count())"
+  )
+  env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  outputs = launch(["-c", code], 2, 1, env=env, timeout=120, **QUICK)
+  assert [out.splitlines()[-1] for out in outputs] == ["True True 2"] * 2
