@@ -61,11 +61,13 @@ PADDING_TOLERANCE = 0.015
 PADDING_MIN_BYTES = 2**20
 # Local search starts from the best plan of this many micro-batch sizes.
 _REFINED = 3
-# Where no candidate fits memory (`repair`): walks of at most _REPAIR_STEPS
-# plans from the partitions nearest to fitting of the _REPAIR_WALKS
-# nearest micro-batch sizes, if within _REPAIR_REACH times the budget; a
-# plan over memory scores _OVER seconds per budget it holds. The
-# partitioners' offers under _REPAIR_BUDGETS (x the budget) start too.
+# Where no candidate fits memory (`repair`): the partitioners' offers under
+# _REPAIR_BUDGETS x the budget (above it, of the _LOOSER_SIZES smallest
+# micro-batch sizes: they need the least memory), then walks of at most
+# _REPAIR_STEPS plans from the partitions nearest to fitting of the
+# _REPAIR_WALKS nearest micro-batch sizes, if within _REPAIR_REACH x the
+# budget; a plan over memory scores _OVER seconds per budget it holds.
+_LOOSER_SIZES = 1
 _REPAIR_WALKS = 1
 _REPAIR_STEPS = 60
 _REPAIR_REACH = 1.5
@@ -99,7 +101,6 @@ def run_search(
   padding_tolerance: float | None = None,
   feasible_only: bool = False,
   max_padding: float | None = None,
-  accept_bytes: float | None = None,
 ) -> Plan | None:
   """The fastest candidate plan (see the module docstring), or None.
 
@@ -112,8 +113,6 @@ def run_search(
   """
   if padding_tolerance is None:
     padding_tolerance = PADDING_TOLERANCE
-  if accept_bytes is None:
-    accept_bytes = memory_bytes
   costs = StageCosts(
     graph, cost_model, batch_size, num_devices, memory_bytes, memory_kinds
   )
@@ -142,7 +141,7 @@ def run_search(
       # runtime's per-device figure, not each stage's own, must fit.
       if ok:
         memory = plan_memory(graph, p)
-        ok = memory.largest_of(memory_kinds) <= accept_bytes
+        ok = memory.largest_of(memory_kinds) <= costs.memory_bytes
         if max_padding is not None:
           ok = ok and memory.padding_fraction <= max_padding
       if ok:
@@ -205,7 +204,7 @@ def run_search(
         memory_kinds,
       )
       offer = _partitioner(graph, planner, other, piper_budget)
-      some = sorted(sizes)[:_REPAIR_WALKS] if factor > 1 else sizes
+      some = sorted(sizes)[:_LOOSER_SIZES] if factor > 1 else sizes
       return [part for b in some for part in offer(b)]
 
     # Piper's search is exponential: it is not run again.
@@ -218,7 +217,6 @@ def run_search(
       evaluate,
       costs,
       planner,
-      accept_bytes,
     )
   ranked = sorted(
     ((c[:3], part) for part, c in candidates.items() if c is not None),
@@ -328,7 +326,6 @@ def repair(
   evaluate: Callable[[Partition], tuple | None],
   costs: StageCosts,
   planner: str,
-  accept_bytes: float,
 ) -> None:
   """Where no candidate fits memory: the partitioners' offers under other
   budgets, then local search from the partitions nearest to fitting, first
@@ -349,13 +346,13 @@ def repair(
     offered: whether the partitioners offered any partition under the
       budget (if not, they offer none under a tighter one either).
   """
-  kinds = costs.memory_kinds
+  kinds, budget = costs.memory_kinds, costs.memory_bytes
   memory: dict[Partition, float] = {}
 
   def ratio(part: Partition) -> float:
     if part not in memory:
       p = assemble(graph, part, costs, planner)
-      memory[part] = plan_memory(graph, p).largest_of(kinds) / accept_bytes
+      memory[part] = plan_memory(graph, p).largest_of(kinds) / budget
     return memory[part]
 
   def relaxed(part: Partition) -> float:
