@@ -78,7 +78,9 @@ def save(trainer, state, directory: str) -> None:
     # No process returns before the mark is written: the others returned
     # at once, and `latest` or `restore` right after the save saw the
     # checkpoint incomplete on them (and the previous step as the latest).
-    _barrier(f"graphpipe_save_{step}_{directory}", directory)
+    # (The name must be equal on every process: not the path, which each
+    # may spell from its own working directory.)
+    _barrier(f"graphpipe_save_{step}", directory)
 
 
 def _barrier(name: str, directory: str) -> None:
@@ -137,9 +139,10 @@ def restore(trainer, directory: str):
   # Marks written before the optimizer was recorded have no entry.
   saved = mark.get("optimizer", _optimizer_layout(trainer))
   if saved != _optimizer_layout(trainer):
+    tree = saved.get("tree") if isinstance(saved, dict) else saved
     raise PipelineRuntimeError(
       "this checkpoint was written with another optimizer: its state is "
-      f"{_short(saved['tree'])}, this trainer's "
+      f"{_short(str(tree))}, this trainer's "
       f"{_short(_optimizer_layout(trainer)['tree'])}; build the Trainer "
       "with the optimizer the run was saved with"
     )
