@@ -223,6 +223,16 @@ def device_spec(name: str) -> DeviceSpec:
   return presets[key]
 
 
+def spec_of(device: str | DeviceSpec) -> DeviceSpec:
+  """`device` itself if it is a `DeviceSpec`, else the preset it names.
+
+  Example:
+    >>> spec_of("v100") == spec_of(device_spec("v100"))
+    True
+  """
+  return device if isinstance(device, DeviceSpec) else device_spec(device)
+
+
 def best_time(fn: Callable, *args, repeats: int = 5) -> float:
   """The fastest of `repeats` timed calls of jitted `fn` (after a warm-up).
 

@@ -42,7 +42,7 @@ from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import KINDS, plan_memory
 from graphpipe.core.stages import Plan
 from graphpipe.costs import AnalyticCostModel, DeviceSpec, device_spec
-from graphpipe.costs.analytic import PRESETS
+from graphpipe.costs.analytic import PRESETS, spec_of
 from graphpipe.errors import PlanError
 from graphpipe.planning import engine
 from graphpipe.planning.arguments import (
@@ -144,8 +144,7 @@ def plan(
   num_devices, batch_size = int(num_devices), int(batch_size)
   device_name = recorded_name(device)
   if cost_model is None:
-    spec = device_spec(device) if isinstance(device, str) else device
-    cost_model = AnalyticCostModel(spec)
+    cost_model = AnalyticCostModel(spec_of(device))
   if memory_bytes is None:
     memory_bytes = cost_model.memory_bytes
   check_memory_bytes(memory_bytes)

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
-from graphpipe.costs import (
-  AnalyticCostModel,
-  DeviceSpec,
-  ProfiledCostModel,
-  device_spec,
-)
+from graphpipe.costs import AnalyticCostModel, DeviceSpec, ProfiledCostModel
+from graphpipe.costs.analytic import spec_of
 from graphpipe.planning.search import plan
 from graphpipe.schedules.builders import schedule_for
 from graphpipe.schedules.grid import Schedule
@@ -55,8 +51,7 @@ def plan_and_simulate(
     **plan_options: more options of `graphpipe.plan` (e.g.
       `padding_tolerance`, `per_stage_micro_batches`).
   """
-  spec = device_spec(device) if isinstance(device, str) else device
-  cost_model = AnalyticCostModel(spec)
+  cost_model = AnalyticCostModel(spec_of(device))
   if profiled:
     cost_model = ProfiledCostModel(graph, cost_model)
   chosen = plan(

@@ -13,7 +13,8 @@ import math
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import KINDS, SHAPE_KINDS, plan_memory
 from graphpipe.core.stages import Plan
-from graphpipe.costs import AnalyticCostModel, DeviceSpec, device_spec
+from graphpipe.costs import AnalyticCostModel, DeviceSpec
+from graphpipe.costs.analytic import spec_of
 from graphpipe.planning.arguments import check_arguments, searched_sizes
 from graphpipe.planning.engine import fits, unlimited_plan
 from graphpipe.planning.piper import PIPER_BUDGET
@@ -64,8 +65,8 @@ def tightest_plan(
   num_devices, batch_size = int(num_devices), int(batch_size)
   kwargs = {"planner": planner, "device": device, "piper_budget": piper_budget}
   # Feasibility as `plan` decides it, without building its error message.
-  spec = device_spec(device) if isinstance(device, str) else device
-  args = (graph, num_devices, batch_size, planner, AnalyticCostModel(spec))
+  model = AnalyticCostModel(spec_of(device))
+  args = (graph, num_devices, batch_size, planner, model)
   sizes = searched_sizes(batch_size, None)
   unlimited = unlimited_plan(*args, sizes, piper_budget)
   peak = math.inf
