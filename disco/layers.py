@@ -279,9 +279,13 @@ class DiscoConv(DiscoLayer):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     _check_input(self, x, 4)
+    kernel = self.masked_kernel()
+    # lax's convolution takes one dtype; `x @ kernel` promotes, so does this
+    # (bfloat16 or uint8 images meet float32 weights).
+    dtype = jnp.result_type(x, kernel)
     y = jax.lax.conv_general_dilated(
-      x,
-      self.masked_kernel(),
+      jnp.asarray(x, dtype),
+      kernel.astype(dtype),
       window_strides=self.strides,
       padding=self.padding,
       rhs_dilation=self.dilation,

@@ -282,7 +282,8 @@ class SRNet(nnx.Module):
       y = _lrelu(pixel_shuffle(ops.layer(conv, y), 2))
     y = ops.output(self.last, _lrelu(ops.layer(self.hr_conv, y)))
     if self.config.bicubic_skip:
-      y = y + bicubic(x, self.config.scale)
+      # In the output's precision (bfloat16 images would round it).
+      y = y + bicubic(x.astype(y.dtype), self.config.scale)
     return y
 
 

@@ -62,6 +62,38 @@ def test_distributed_equals_the_masked_model_and_its_byte_count(name, ratio):
   assert gathers > 0 and (report.bytes_sent == gathers) == (ratio == 0.0)
 
 
+def test_the_models_take_low_precision_and_integer_images():
+  # Distributed inference casts images to float32; the models themselves
+  # raised a TypeError in their first convolution (lax takes one dtype), and
+  # the super-resolution skip upsampled bfloat16 images in bfloat16.
+  # Every model's first layer is a DiscoConv; SRNet also has the skip.
+  models = {"sr_x2": CASES["sr_x2"]()}
+  sample = data.synthetic(image_size=8, train=4, test=2)
+  for model in ("resnet", "vit"):
+    models[model] = tasks.build(
+      "classify", sample, num_nodes=2, width=8, seed=0, model=model
+    )
+  for name, model in models.items():
+    if isinstance(model, SRNet):
+      model.last.kernel[...] = normal(6, model.last.kernel.shape)
+    model.eval()
+    size = model.config.image_size
+    images = np.asarray(normal(0, (2, size, size, model.config.in_channels)))
+    for dtype in (
+      (jnp.bfloat16, jnp.uint8) if name == "resnet" else (jnp.bfloat16,)
+    ):
+      low = (np.abs(images) * 9).astype(dtype)
+      graph, state = nnx.split(model)
+      want = np.asarray(tasks._apply(graph, state, low.astype(np.float32)))
+      got = tasks._apply(graph, state, jnp.asarray(low))
+      assert got.dtype == jnp.float32, name
+      np.testing.assert_array_equal(np.asarray(got), want, err_msg=name)
+    if name == "sr_x2":
+      run = distributed.distribute(model)
+      scale = np.abs(want).max()
+      np.testing.assert_allclose(run(low), want, atol=1e-6 * scale, rtol=0)
+
+
 def test_shape_scenes_have_exact_masks_and_boxes():
   images, classes, boxes = scenes.shape_scenes(12, size=24, seed=3)
   assert images.min() >= 0 and images.max() <= 1
