@@ -218,29 +218,27 @@ def branch_sweep(setup: Setup, progress) -> dict:
       row["branches"] = branches
       rows.append(row)
       progress.step(f"{branches} branches: " + note(row))
-  heaviest = {
-    branches: max(
-      n.param_bytes for n in setup.graph("candle_uno", branches).nodes
-    )
-    for branches in setup.branches
-  }
   return {
     "rows": rows,
     "speedup": speedups(rows, "branches"),
-    "largest_layer_bytes": heaviest,
     # The iteration no plan beats: the speed-up over sequential it caps.
     "floor": {
-      branches: dataclasses.asdict(
-        iteration_floor(
-          setup.graph("candle_uno", branches),
-          models.default_batch_size("candle_uno", setup.sweep_devices),
-          setup.sweep_devices,
-          setup.cost_model(),
-        )
-      )
+      branches: _floor(setup, setup.graph("candle_uno", branches))
       for branches in setup.branches
     },
   }
+
+
+def _floor(setup: Setup, graph) -> dict:
+  """`iteration_floor` of the sweep's graph, and its node's weight bytes."""
+  floor = iteration_floor(
+    graph,
+    models.default_batch_size("candle_uno", setup.sweep_devices),
+    setup.sweep_devices,
+    setup.cost_model(),
+  )
+  node = next(n for n in graph.nodes if n.name == floor.node)
+  return dataclasses.asdict(floor) | {"param_bytes": node.param_bytes}
 
 
 def ablation(setup: Setup, through: dict, progress) -> dict:
@@ -271,7 +269,10 @@ def ablation(setup: Setup, through: dict, progress) -> dict:
         "num_devices": setup.sweep_devices,
         "sequential_micro_batch_size": seq["micro_batch_size"],
         "graphpipe_micro_batch_size": ours["micro_batch_size"],
-        "concurrency_only": only.get("throughput_samples_per_s", 0) / base,
+        # None where the search at that size finds no plan.
+        "concurrency_only": only["throughput_samples_per_s"] / base
+        if "error" not in only
+        else None,
         "concurrency_and_micro_batch": ours["throughput_samples_per_s"] / base,
         "concurrency_only_depth": only.get("depth"),
         "sequential_depth": seq["depth"],

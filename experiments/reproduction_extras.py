@@ -15,7 +15,51 @@ def ratio(x) -> str:
   return "n/a" if x is None else f"{x:.2f}x"
 
 
+def cell(rows, planner) -> str:
+  """A table cell: `planner`'s samples/s among `rows`, or why there is
+  none."""
+  row = next((r for r in rows if r["planner"] == planner), None)
+  if row is None:
+    return "-"
+  if "error" in row:
+    return "no plan"
+  return f"{row['throughput_samples_per_s']:.4g}"
+
+
+def seconds(x: float) -> str:
+  """A duration, three significant figures in s, ms or us."""
+  for unit, scale in (("s", 1), ("ms", 1e3)):
+    if x * scale >= 1:
+      return f"{_sig(x * scale)} {unit}"
+  return f"{_sig(x * 1e6)} us"
+
+
+def size(n: float) -> str:
+  """Bytes in GiB, MiB, KiB or bytes, three significant figures."""
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= scale:
+      return f"{_sig(n / scale)} {unit}"
+  return f"{n:.0f} bytes"
+
+
+def times(x: float) -> str:
+  """A factor ('12.3x', '0.034x'): a tenth, or two significant figures."""
+  return f"{x:.2g}x" if x < 1 else f"{x:.1f}x"
+
+
+def _sig(x: float) -> str:
+  """Three significant figures, never in exponent form."""
+  return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+
+
+def percent(x: float) -> str:
+  """A fraction as a percentage, as many digits as it has ('1.5%', '2%')."""
+  return f"{_sig(x * 100)}%"
+
+
 def per_stage_section(results) -> list[str]:
+  if "per_stage" not in results:  # results of an older run
+    return []
   rows = results["per_stage"]["rows"]
   lines = [
     "## Per-stage micro-batch sizes (`per_stage`, per_stage.png)",
@@ -23,7 +67,7 @@ def per_stage_section(results) -> list[str]:
     "Paper: an optional extension, no numbers given.",
     "",
     "Samples/s with the planner's default padding trade (of the plans "
-    f"within {engine.PADDING_TOLERANCE:.0%} of the fastest, a less padded "
+    f"within {percent(engine.PADDING_TOLERANCE)} of the fastest, a less padded "
     "one where its padding falls by more than its time grows), then ranked "
     "by time alone (`padding_tolerance=0`).",
     "",
@@ -64,7 +108,7 @@ def per_stage_section(results) -> list[str]:
   lines.append(
     "(With the trade, a per-stage search that ranks more candidates may "
     "settle on a less padded plan up to "
-    f"{engine.PADDING_TOLERANCE:.0%} slower.) The Trainer runs "
+    f"{percent(engine.PADDING_TOLERANCE)} slower.) The Trainer runs "
     "unequal sizes exactly like one-size plans (a stage k times larger "
     "collects k forwards and returns its gradients in k pieces)."
   )
@@ -109,6 +153,8 @@ def _memory_bound(rows) -> list[str]:
 
 
 def pipedream_section(results) -> list[str]:
+  if "pipedream_check" not in results:  # results of an older run
+    return []
   rows = results["pipedream_check"]["rows"]
   lines = [
     "## PipeDream's own partitioner against `sequential` "

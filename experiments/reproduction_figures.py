@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from experiments.paper import PAPER
-from experiments.reproduction_report import ceiling
+from experiments.reproduction_sweep import ceiling
 
 
 def draw(results, out: str) -> list[str]:
@@ -90,7 +90,7 @@ def draw(results, out: str) -> list[str]:
     x = range(len(rows))
     axes.bar(
       [i - 0.2 for i in x],
-      [r["concurrency_only"] for r in rows],
+      [_nan(r["concurrency_only"]) for r in rows],
       0.4,
       label="concurrency only",
     )
@@ -244,3 +244,8 @@ def draw(results, out: str) -> list[str]:
 
   names.append(figure("pipedream_check", check))
   return names
+
+
+def _nan(value):
+  """A bar's height: NaN (no bar) for a ratio without a plan."""
+  return float("nan") if value is None else value

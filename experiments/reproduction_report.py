@@ -10,10 +10,14 @@ from __future__ import annotations
 from experiments.paper import PAPER
 from experiments.reproduction_case import case_section
 from experiments.reproduction_extras import (
+  cell,
   per_stage_section,
   pipedream_section,
+  seconds,
+  times,
 )
 from experiments.reproduction_extras import ratio as _ratio
+from experiments.reproduction_sweep import branch_section
 
 
 def _rows(results, figure, **match):
@@ -24,13 +28,8 @@ def _rows(results, figure, **match):
   ]
 
 
-def _cell(rows, planner) -> str:
-  row = next((r for r in rows if r["planner"] == planner), None)
-  if row is None:
-    return "-"
-  if "error" in row:
-    return "no plan"
-  return f"{row['throughput_samples_per_s']:.4g}"
+def _or_no_plan(x) -> str:
+  return "no plan" if x is None else _ratio(x)
 
 
 def throughput_section(results) -> list[str]:
@@ -53,8 +52,8 @@ def throughput_section(results) -> list[str]:
     )
     lines.append(
       f"| {entry['model']} | {entry['num_devices']} | "
-      f"{_cell(rows, 'graphpipe')} | {_cell(rows, 'sequential')} | "
-      f"{_cell(rows, 'piper')} | "
+      f"{cell(rows, 'graphpipe')} | {cell(rows, 'sequential')} | "
+      f"{cell(rows, 'piper')} | "
       f"{_ratio(entry['graphpipe_over_best_baseline'])} |"
     )
   ratios = [
@@ -92,91 +91,26 @@ def throughput_section(results) -> list[str]:
         and r["num_devices"] == most
         and "error" not in r
       ]
-      checks = results["pipedream_check"]["rows"]
+      checks = results.get("pipedream_check", {"rows": []})["rows"]
       grade = (
         "; PipeDream's own partitions never beat it by more than 2%, "
         "`pipedream_check`"
         if checks and all(r["passes"] for r in checks)
         else ""
       )
+      average = sum(replicas) / len(replicas) if replicas else 1.0
       lines.append(
         "Why lower: our sequential baseline gets everything GraphPipe "
         "gets (three linearisations, the candidates its DP would discard, "
-        f"local search, simulation{grade}), and at {most} devices it "
-        "answers the branches with data parallelism"
+        f"local search, simulation{grade})"
         + (
-          f" ({sum(replicas) / len(replicas):.1f} devices per stage on average)"
-          if replicas
-          else ""
+          f", and at {most} devices it answers the branches with data "
+          f"parallelism ({average:.1f} devices per stage on average), "
+          f"which the {results['config']['device']} preset's links within "
+          "a node make cheap."
+          if average > 1
+          else "."
         )
-        + f", which the {results['config']['device']} preset's links "
-        "within a node make cheap."
-      )
-  return lines
-
-
-def branch_section(results) -> list[str]:
-  data = results["branch_sweep"]
-  devices = results["config"]["sweep_devices"]
-  lines = [
-    f"## CANDLE-Uno branch sweep at {devices} devices (`branch_sweep`, "
-    "branch_sweep.png)",
-    "",
-    f"Paper: {PAPER['branch_sweep']['claim']}.",
-    "",
-    "| branches | graphpipe | sequential | piper | graphpipe / best baseline "
-    "| ceiling: any plan / sequential |",
-    "|---|---|---|---|---|---|",
-  ]
-  series = []
-  for entry in sorted(data["speedup"], key=lambda e: e["branches"]):
-    rows = _rows(results, "branch_sweep", branches=entry["branches"])
-    ratio = entry["graphpipe_over_best_baseline"]
-    series.append((entry["branches"], ratio))
-    lines.append(
-      f"| {entry['branches']} | {_cell(rows, 'graphpipe')} | "
-      f"{_cell(rows, 'sequential')} | {_cell(rows, 'piper')} | "
-      f"{_ratio(ratio)} | {_ratio(ceiling(results, entry['branches']))} |"
-    )
-  lines.append("")
-  values = [r for _, r in series if r is not None]
-  if values:
-    paper = PAPER["branch_sweep"]["speedup_at_16"]
-    lines.append(
-      "Ours: "
-      + ", ".join(
-        f"{b} branch{'es' if b != 1 else ''} {_ratio(r)}" for b, r in series
-      )
-      + (
-        f"; the speed-up {_growth(values)} with the branches and reaches "
-        f"{values[-1]:.2f}x at the most branches"
-        if len(values) > 1
-        else ""
-      )
-      + f" against the paper's {paper}x at 16."
-    )
-    cap = ceiling(results, series[-1][0])
-    if values[-1] < paper and cap is not None and cap < paper:
-      # The head layer is the reason only where it bounds every plan
-      # below the paper's figure; otherwise the ceiling sentence says
-      # how much room was left.
-      heaviest = data.get("largest_layer_bytes", {})
-      most = max(heaviest, key=int, default=None)
-      if most is not None:
-        lines.append(
-          "Why lower: the layer after the concatenation reads 4096 x "
-          f"branches features; at {most} branches its weights take "
-          f"{heaviest[most] / 2**30:.2f} GiB, so it is slow on few devices "
-          "and pays a large gradient all-reduce on many (tensor "
-          "parallelism is out of scope), which bounds every planner's "
-          "iteration alike."
-        )
-    lines += _ceiling_sentences(results, series)
-    if values[0] < 1.0:
-      lines.append(
-        "At 2 branches the sequential plan, whose stages hold the same "
-        "layer of both branches, beats GraphPipe's: its series-parallel "
-        "DP never cuts two branches layer by layer into shared stages."
       )
   return lines
 
@@ -187,73 +121,29 @@ def _trend(model: str, series: list[tuple[int, float]]) -> str:
   peak = max(series, key=lambda x: x[1])
   if len(series) == 1:
     return f"{model} {start:.2f}x at {first} devices"
+  if all(round(v, 2) == round(start, 2) for _, v in series):
+    return f"{model} {start:.2f}x at {first} to {last} devices"
   if peak == series[0]:
     return (
       f"{model} {start:.2f}x at {first} devices, its highest, and "
       f"{end:.2f}x at {last}"
     )
-  trend = "grows to" if peak == series[-1] else "peaks at"
+  shown = [round(v, 2) for _, v in series]
+  if shown[-1] == max(shown) and shown == sorted(shown):
+    return (
+      f"{model} {start:.2f}x at {first} and grows to {end:.2f}x at {last} "
+      "devices"
+    )
+  low = min(series, key=lambda x: x[1])
+  if peak == series[-1]:
+    return (
+      f"{model} {start:.2f}x at {first}, {low[1]:.2f}x at {low[0]} and "
+      f"{end:.2f}x at {last} devices, its highest"
+    )
   return (
-    f"{model} {start:.2f}x at {first} and {trend} {peak[1]:.2f}x at "
+    f"{model} {start:.2f}x at {first} and peaks at {peak[1]:.2f}x at "
     f"{peak[0]} devices"
   )
-
-
-def _growth(values: list[float]) -> str:
-  """How a series of speed-ups moves, as printed (two decimals): 'grows',
-  'stays flat', 'does not grow steadily'."""
-  shown = [round(v, 2) for v in values]
-  steps = list(zip(shown, shown[1:], strict=False))
-  if all(b == a for a, b in steps):
-    return "stays flat"
-  if all(b >= a for a, b in steps):
-    return "grows"
-  return "does not grow steadily"
-
-
-def _floor(results, branches) -> dict | None:
-  floors = results["branch_sweep"].get("floor", {})
-  return floors.get(branches) or floors.get(str(branches))
-
-
-def ceiling(results, branches) -> float | None:
-  """Sequential's iteration over the floor: no plan's speed-up is higher."""
-  floor = _floor(results, branches)
-  rows = _rows(results, "branch_sweep", branches=branches)
-  seq = next((r for r in rows if r["planner"] == "sequential"), None)
-  if not floor or not seq or "error" in seq or floor["seconds"] <= 0:
-    return None
-  return seq["iteration_time_s"] / floor["seconds"]
-
-
-def _ceiling_sentences(results, series) -> list[str]:
-  """What the iteration floor (one node alone) says of the sweep."""
-  most = series[-1][0]
-  floor, cap = _floor(results, most), ceiling(results, most)
-  entry = next(
-    e for e in results["branch_sweep"]["speedup"] if e["branches"] == most
-  )
-  ratio = entry["graphpipe_over_sequential"]
-  if cap is None or ratio is None:
-    return []
-  paper = PAPER["branch_sweep"]["speedup_at_16"]
-  verdict = (
-    f"the paper's {paper}x is out of reach for any planner here"
-    if cap < paper
-    else f"room up to the paper's {paper}x"
-  )
-  return [
-    f"Ceiling: at {most} branches node `{floor['node']}` alone takes at "
-    f"least {floor['seconds'] * 1e3:.1f} ms an iteration (best on "
-    f"{floor['devices']} device{'s' if floor['devices'] > 1 else ''}: "
-    "its forward and backward over the whole "
-    "batch in one micro-batch, its gradient all-reduce and its optimizer "
-    "step; `graphpipe.simulator.iteration_floor`), so no plan in this "
-    f"cost model beats sequential by more than {cap:.2f}x ({verdict}); "
-    f"GraphPipe reaches {ratio / cap:.0%} of that ceiling (the floor "
-    "counts neither the pipeline's fill nor the smaller micro-batches that "
-    "a pipeline needs)."
-  ]
 
 
 def ablation_section(results) -> list[str]:
@@ -272,48 +162,80 @@ def ablation_section(results) -> list[str]:
   for r in rows:
     lines.append(
       f"| {r['model']} | {r['sequential_micro_batch_size']} | "
-      f"{_ratio(r['concurrency_only'])} | "
+      f"{_or_no_plan(r['concurrency_only'])} | "
       f"{_ratio(r['concurrency_and_micro_batch'])} | "
       f"{r['graphpipe_micro_batch_size']} |"
     )
   lines.append("")
-  if rows:
-    low, high = paper["concurrency_only"]
-    inside = [r["model"] for r in rows if r["concurrency_only"] >= low]
+  found = [r for r in rows if r["concurrency_only"] is not None]
+  missing = [r["model"] for r in rows if r["concurrency_only"] is None]
+  if missing:
     lines.append(
-      f"Ours: concurrency alone {min(r['concurrency_only'] for r in rows):.2f}"
-      f"-{max(r['concurrency_only'] for r in rows):.2f}x "
+      f"No concurrency-only plan for {', '.join(missing)} (GraphPipe's "
+      "search at sequential's micro-batch size found none)."
+    )
+  if found:
+    low = paper["concurrency_only"][0]
+    only, both = "concurrency_only", "concurrency_and_micro_batch"
+    inside = [r["model"] for r in found if r[only] >= low]
+    lines.append(
+      f"Ours: concurrency alone {min(r[only] for r in found):.2f}"
+      f"-{max(r[only] for r in found):.2f}x "
       f"(at least the paper's lower end {low}x for "
       f"{', '.join(inside) or 'no model'}), with GraphPipe's own "
-      f"micro-batch {min(r['concurrency_and_micro_batch'] for r in rows):.2f}"
-      f"-{max(r['concurrency_and_micro_batch'] for r in rows):.2f}x."
+      f"micro-batch {min(r[both] for r in rows):.2f}"
+      f"-{max(r[both] for r in rows):.2f}x."
     )
-    same = [
-      r
-      for r in rows
-      if r["graphpipe_micro_batch_size"] == r["sequential_micro_batch_size"]
-    ]
-    if same:
-      only, both = "concurrency_only", "concurrency_and_micro_batch"
-      apart = [
-        f"{r['model']} {r[only]:.2f}x against {r[both]:.2f}x"
-        for r in same
-        if abs(r[only] - r[both]) >= 0.005
-      ]
-      lines.append(
-        f"For {', '.join(r['model'] for r in same)} GraphPipe keeps the "
-        "sequential plan's micro-batch: its gain there is concurrency (a "
-        "shallower pipeline) only"
-        + (
-          "; the columns still differ because the two searches weigh "
-          "different candidates at that size (the padding trade compares "
-          "plans with each search's own fastest, and local search starts "
-          f"from each search's best plans): {'; '.join(apart)}."
-          if apart
-          else ", and the two columns agree."
-        )
-      )
+    lines += _same_size(found)
   return lines
+
+
+def _same_size(rows) -> list[str]:
+  """Models whose GraphPipe plan keeps sequential's micro-batch size: their
+  gain is the stage graph's alone; says whether the pipeline is shallower."""
+  only, both = "concurrency_only", "concurrency_and_micro_batch"
+  same = [
+    r
+    for r in rows
+    if r["graphpipe_micro_batch_size"] == r["sequential_micro_batch_size"]
+  ]
+  if not same:
+    return []
+  parts = []
+  for r in same:
+    depths = (r.get("concurrency_only_depth"), r.get("sequential_depth"))
+    if round(r[only], 2) == 1.0:
+      what = "ties sequential"
+    else:
+      what = f"{r[only]:.2f}x"
+    if None not in depths:
+      shape = (
+        "shallower"
+        if depths[0] < depths[1]
+        else "as deep"
+        if depths[0] == depths[1]
+        else "deeper"
+      )
+      what += f", its pipeline {shape} (depth {depths[0]} against {depths[1]})"
+    parts.append(f"{r['model']} {what}")
+  apart = [
+    f"{r['model']} {r[only]:.2f}x against {r[both]:.2f}x"
+    for r in same
+    if abs(r[only] - r[both]) >= 0.005
+  ]
+  return [
+    "Where GraphPipe keeps the sequential plan's micro-batch size, the gain "
+    "is its stage graph's alone: "
+    + "; ".join(parts)
+    + (
+      ". The two columns still differ because the two searches weigh "
+      "different candidates at that size (the padding trade compares "
+      "plans with each search's own fastest, and local search starts "
+      f"from each search's best plans): {'; '.join(apart)}."
+      if apart
+      else "; the two columns agree."
+    )
+  ]
 
 
 def search_section(results) -> list[str]:
@@ -329,7 +251,7 @@ def search_section(results) -> list[str]:
   ]
   by = {}
   for r in data["rows"]:
-    text = f"{r['search_time_s']:.1f}"
+    text = f"{r['search_time_s']:.3g}"
     if not r["found_plan"]:
       text += " (no plan)"
     by.setdefault(r["model"], {})[r["planner"]] = (r, text)
@@ -345,7 +267,7 @@ def search_section(results) -> list[str]:
       factor = piper["search_time_s"] / ours["search_time_s"]
       what = "found a plan" if piper["found_plan"] else "gave up"
       sentences.append(
-        f"{model}: Piper {what} after {factor:.1f}x GraphPipe's time"
+        f"{model}: Piper {what} after {times(factor)} GraphPipe's time"
       )
   lines.append("")
   slowest = max(
@@ -362,7 +284,7 @@ def search_section(results) -> list[str]:
   if seq:
     sentences.append(
       f"sequential (PipeDream's DP, with all of our candidates) takes "
-      f"{min(seq):.1f}-{max(seq):.1f}x GraphPipe's time"
+      f"{times(min(seq))}-{times(max(seq))} GraphPipe's time"
     )
   # Where Piper does find a plan at these devices (branch sweep, parity).
   found = []
@@ -389,7 +311,7 @@ def search_section(results) -> list[str]:
           plural = label if r[label] != 1 else label[:-2]  # 'branch'
           name += f" with {r[label]} {plural}"
         factor = r["search_time_s"] / ours["search_time_s"]
-        found.append((f"{name} {factor:.1f}x", factor))
+        found.append((f"{name} {times(factor)}", factor))
   if found:
     sentences.append(
       "where Piper finds a plan at these devices its search takes "
@@ -405,7 +327,7 @@ def search_section(results) -> list[str]:
       )
     )
   lines.append(
-    f"Ours: GraphPipe's search takes at most {slowest:.1f} s; "
+    f"Ours: GraphPipe's search takes at most {seconds(slowest)}; "
     + "; ".join(sentences)
     + ". Piper gives up when it has priced its budget of "
     f"{results['config']['piper_budget']:,} stages (down-set pairs)."
@@ -429,17 +351,28 @@ def parity_section(results) -> list[str]:
     ratio = entry["graphpipe_over_sequential"]
     ratios.append(ratio)
     lines.append(
-      f"| {entry['num_devices']} | {_cell(rows, 'graphpipe')} | "
-      f"{_cell(rows, 'sequential')} | {_cell(rows, 'piper')} | "
+      f"| {entry['num_devices']} | {cell(rows, 'graphpipe')} | "
+      f"{cell(rows, 'sequential')} | {cell(rows, 'piper')} | "
       f"{_ratio(ratio)} |"
     )
   values = [r for r in ratios if r is not None]
   lines.append("")
   if values:
     worst = max(abs(1 - r) for r in values)
+    missing = [
+      str(e["num_devices"])
+      for e in data["speedup"]
+      if e["graphpipe_over_sequential"] is None
+    ]
     lines.append(
       f"Ours: GraphPipe within {worst:.1%} of sequential at every device "
-      "count (the paper: it matches)."
+      "count"
+      + (
+        f" where both found a plan (not at {', '.join(missing)} devices)"
+        if missing
+        else ""
+      )
+      + " (the paper: it matches)."
     )
   return lines
 
@@ -477,12 +410,12 @@ def summary(results) -> str:
     results["branch_sweep"]["speedup"], key=lambda e: e["branches"]
   )
   ablation = [r["concurrency_only"] for r in results["ablation"]["rows"]]
-  checks = results["pipedream_check"]["rows"]
+  checks = results.get("pipedream_check", {"rows": []})["rows"]
   return (
     "branch sweep speed-ups: "
     + ", ".join(_ratio(e["graphpipe_over_best_baseline"]) for e in sweep)
     + "\nconcurrency-only ablation: "
-    + ", ".join(_ratio(r) for r in ablation)
+    + ", ".join(_or_no_plan(r) for r in ablation)
     + f"\nPipeDream check: {sum(r['passes'] for r in checks)}/{len(checks)}"
     " at most 2% faster than sequential"
   )

@@ -191,7 +191,7 @@ def test_the_sweep_device_count_need_not_be_in_the_throughput_figure():
 
 def _sweep(ratios, head_gib, ceiling_at_most):
   """Branch-sweep results with the given speed-ups over sequential."""
-  rows, speedup, floor, heaviest = [], [], {}, {}
+  rows, speedup, floor = [], [], {}
   for branches, ratio in ratios.items():
     seq_time = 1.0
     for planner, time in (("graphpipe", seq_time / ratio), ("sequential", 1)):
@@ -211,11 +211,12 @@ def _sweep(ratios, head_gib, ceiling_at_most):
       )
     )
     floor[str(branches)] = dict(
-      seconds=seq_time / ceiling_at_most, node="head.layers.0", devices=1
+      seconds=seq_time / ceiling_at_most,
+      node="head.layers.0",
+      devices=1,
+      param_bytes=head_gib * 2**30,
     )
-    heaviest[str(branches)] = head_gib * 2**30
   data = dict(rows=rows, speedup=speedup, floor=floor)
-  data["largest_layer_bytes"] = heaviest
   return {"branch_sweep": data, "config": {"sweep_devices": 32}}
 
 
@@ -230,7 +231,7 @@ def test_the_sweep_sentences_say_what_the_numbers_say():
   assert "Why lower" not in text and "room up to the paper's" in text
   # A ceiling below it: the head layer bounds every plan, and says so.
   text = "\n".join(report.branch_section(_sweep({2: 1.1, 16: 1.23}, 1.0, 1.37)))
-  assert "Why lower: the layer after the concatenation" in text
+  assert "Why lower: at 16 branches node `head.layers.0` (1 GiB" in text
   assert "out of reach for any planner" in text and " grows " in text
   text = "\n".join(report.branch_section(_sweep({8: 1.24, 16: 1.23}, 1, 1.4)))
   assert "does not grow steadily" in text
@@ -286,3 +287,116 @@ def test_the_search_sentence_explains_piper_only_where_it_is_as_quick():
   slow = "\n".join(report.search_section(results(6.0)))
   assert "transformer 6.0x GraphPipe's" in slow
   assert "costs about what the others' do" not in slow
+
+
+def test_the_sweep_sentences_name_the_counts_and_baselines_they_have():
+  from experiments import reproduction_sweep as sweep
+
+  # The first count is 4, not 2; the sentence names it ("At 2 branches"
+  # was fixed text), and the baseline that beats GraphPipe there.
+  results = _sweep({4: 0.9, 8: 1.2}, 0.5, 1.3)
+  text = "\n".join(sweep.branch_section(results))
+  assert "At 4 branches the sequential plan is faster" in text
+  assert "At 2 branches" not in text
+  results["branch_sweep"]["speedup"][0]["best_baseline"] = "piper"
+  text = "\n".join(sweep.branch_section(results))
+  assert "At 4 branches piper's plan is faster" in text
+  # No GraphPipe plan at the most branches: the last speed-up is named
+  # with its own count ("at the most branches" gave the 4-branch figure).
+  results = _sweep({2: 1.1, 4: 1.2, 8: 1.3}, 0.5, 3.0)
+  results["branch_sweep"]["speedup"][-1]["graphpipe_over_best_baseline"] = None
+  rows = results["branch_sweep"]["rows"]
+  next(r for r in rows if r["branches"] == 8)["error"] = "no plan"
+  text = "\n".join(sweep.branch_section(results))
+  assert "8 branches (no GraphPipe plan)" in text
+  assert "reaches 1.20x at 4 branches" in text
+
+
+def test_the_ablation_sentence_follows_the_depths_and_missing_plans(
+  monkeypatch,
+):
+  from experiments import reproduction_report as report
+
+  def row(model, only, depth, seq_depth=2):
+    return dict(
+      model=model,
+      sequential_micro_batch_size=4,
+      graphpipe_micro_batch_size=4,
+      concurrency_only=only,
+      concurrency_and_micro_batch=only or 1.0,
+      concurrency_only_depth=depth,
+      sequential_depth=seq_depth,
+    )
+
+  rows = [row("mmt", 1.3, 3), row("dlrm", 1.0, 2), row("candle_uno", 1.2, 1)]
+  text = "\n".join(report.ablation_section({"ablation": {"rows": rows}}))
+  # "a shallower pipeline" was said of every model keeping sequential's
+  # size, whatever the depths.
+  assert "mmt 1.30x, its pipeline deeper (depth 3 against 2)" in text
+  assert "dlrm ties sequential, its pipeline as deep" in text
+  assert "candle_uno 1.20x, its pipeline shallower (depth 1 against 2)" in text
+  # A concurrency-only search without a plan was a 0.00x ratio.
+  setup = reproduce.Setup(devices=(4,), sweep_devices=4, graphs={})
+  through = {
+    "rows": [
+      dict(
+        model=model,
+        num_devices=4,
+        planner=planner,
+        micro_batch_size=4,
+        throughput_samples_per_s=10.0,
+        depth=2,
+      )
+      for model in reproduce.MODELS
+      for planner in ("graphpipe", "sequential")
+    ]
+  }
+  def no_plan(setup, graph, name, devices, planner, **_):
+    return dict(
+      model=name,
+      num_devices=devices,
+      planner=planner,
+      error="-",
+      search_time_s=0.0,
+    )
+
+  monkeypatch.setattr(reproduce, "run_planner", no_plan)
+  monkeypatch.setattr(reproduce.Setup, "graph", lambda *a: None)
+  progress = common.Progress(3, "plan", say=lambda _: None)
+  found = reproduce.ablation(setup, through, progress)["rows"]
+  assert [r["concurrency_only"] for r in found] == [None] * 3
+  text = "\n".join(report.ablation_section({"ablation": {"rows": found}}))
+  assert "0.00x" not in text and "No concurrency-only plan for mmt" in text
+
+
+def test_the_report_states_numbers_as_they_are_and_reads_older_results(
+  results,
+):
+  import copy
+
+  from experiments import reproduction_report as report
+  from graphpipe.planning import engine
+
+  found, out = results
+  text = (out / "REPRODUCTION.md").read_text()
+  # PADDING_TOLERANCE 0.015 was printed "2%".
+  assert f"within {engine.PADDING_TOLERANCE * 100:g}% of the fastest" in text
+  # A dip is not growth; a level series is not "grows to" itself.
+  dip = report._trend("mmt", [(4, 1.10), (8, 0.95), (16, 1.20)])
+  assert "grows" not in dip and "0.95x at 8" in dip
+  assert "grows" not in report._trend("mmt", [(4, 1.081), (8, 1.0805)])
+  # Parity with a missing plan is not "at every device count".
+  parity = {
+    "rows": [],
+    "speedup": [
+      dict(num_devices=4, graphpipe_over_sequential=1.0),
+      dict(num_devices=8, graphpipe_over_sequential=None),
+    ],
+  }
+  text = "\n".join(report.parity_section({"parity": parity}))
+  assert "where both found a plan (not at 8 devices)" in text
+  # Results of a run before the per-stage and PipeDream sections.
+  older = copy.deepcopy(found)
+  del older["per_stage"], older["pipedream_check"]
+  assert "## Throughput" in report.markdown(older)
+  assert "PipeDream check: 0/0" in report.summary(older)
