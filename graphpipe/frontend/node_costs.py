@@ -52,7 +52,9 @@ def save_products(primitive, *_, **__) -> bool:
 
 
 def aval_bytes(aval) -> int:
-  return int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+  # `dtype.itemsize`, not np.dtype(...): typed PRNG keys (an nnx Dropout's
+  # RngKey) have an extended dtype numpy cannot read.
+  return int(np.prod(aval.shape)) * aval.dtype.itemsize
 
 
 def args_of(avals):

@@ -411,3 +411,40 @@ def test_module_called_under_jit_inside_a_module():
   loss = lambda m, b: jnp.mean(m(b["x"]) ** 2)
   graph = graphpipe.capture(loss, model, make_batch())
   assert [n.name for n in graph.nodes] == ["wrap.lin", "wrap.out", "head"]
+
+
+def test_an_nnx_model_with_dropout_in_inference_mode_trains_exactly():
+  # The capture error for training-mode dropout says to put it in inference
+  # mode; then the Dropout's RngKey (a typed PRNG key, dtype key<fry>) was
+  # a raw TypeError from numpy while sizing the model's variables.
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(6, 8, rngs=rngs)
+      self.drop = nnx.Dropout(0.5, rngs=rngs)
+      self.b = nnx.Linear(8, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.b(self.drop(jax.nn.relu(self.a(x))))
+
+  model, batch = Net(nnx.Rngs(0)), make_batch()
+  model.eval()
+  graph = graphpipe.capture(xent, model, batch)
+  plan = graphpipe.plan(graph, 2, len(batch["x"]))
+  trainer = graphpipe.Trainer(plan, optax.sgd(0.1), graph=graph)
+  state = trainer.init(model)
+  loss, grads = trainer.loss_and_grads(state, batch)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  want, want_grads = jax.value_and_grad(
+    lambda p: xent(nnx.merge(graphdef, p, rest), batch)
+  )(params)
+  assert loss == pytest.approx(float(want), rel=1e-6)
+  want_grads = graph.program.variable_values(
+    nnx.merge(graphdef, want_grads, rest)
+  )
+  names = [name for name in want_grads if name.startswith("param:")]
+  assert len(names) == 4
+  for name in names:
+    np.testing.assert_allclose(
+      grads[name], want_grads[name], rtol=1e-5, atol=1e-7
+    )
+  state, _ = trainer.step(state, batch)  # and a step runs

@@ -351,6 +351,7 @@ def test_the_ablation_sentence_follows_the_depths_and_missing_plans(
       for planner in ("graphpipe", "sequential")
     ]
   }
+
   def no_plan(setup, graph, name, devices, planner, **_):
     return dict(
       model=name,
