@@ -174,9 +174,12 @@ class Grouping:
 
 
 def loss_terms(jaxpr, grouping):
-  """(equation, output) positions of summed losses, or None (step 3).
+  """((equation, output) positions of summed losses, constant), or None
+  (step 3).
 
-  Applies when the last node only sums other nodes' scalar losses.
+  Applies when the last node only sums other nodes' scalar losses and
+  constants (`loss + 1.0`); the constants' sum is returned beside the
+  terms, for `program.cut` to add to the first term.
   """
   last = grouping.groups[-1]
   eqns = [jaxpr.eqns[i] for i in last]
@@ -186,12 +189,16 @@ def loss_terms(jaxpr, grouping):
     for e in eqns
   ):
     return None
+  literal = jax.extend.core.Literal
+  constant = sum(
+    float(v.val) for e in eqns for v in e.invars if isinstance(v, literal)
+  )
   internal = {v for e in eqns for v in e.outvars}
   terms = [
     v
     for e in eqns
     for v in e.invars
-    if not isinstance(v, jax.extend.core.Literal) and v not in internal
+    if not isinstance(v, literal) and v not in internal
   ]
   if len(terms) < 2 or len(set(terms)) != len(terms):
     return None
@@ -200,7 +207,7 @@ def loss_terms(jaxpr, grouping):
   }
   if any(v not in position for v in terms):
     return None  # a term is a graph input, not a node's output
-  return [position[v] for v in terms]
+  return [position[v] for v in terms], constant
 
 
 def name_nodes(labels, groups, first_module_eqn, last_module_eqn):

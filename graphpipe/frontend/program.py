@@ -61,6 +61,7 @@ def cut(
   input_keys: Sequence[str],
   groups: Sequence[Sequence[int]],
   loss_terms: Sequence[tuple[int, int]] | None = None,
+  loss_constant: float = 0.0,
 ) -> tuple[list[NodeProgram], dict[str, object], list[str]]:
   """Cuts `closed` into one jaxpr per group of equation indices.
 
@@ -70,6 +71,8 @@ def cut(
     groups: equation indices of each node, nodes in topological order.
     loss_terms: (equation index, output index) of each value whose sum is
       the loss; None means the jaxpr's own output.
+    loss_constant: added to the first loss term by its node (the constants
+      the summing equations added, which leave with them).
 
   Returns:
     (node programs, constants by 'const:k' key, keys of the loss terms).
@@ -100,6 +103,26 @@ def cut(
       for v in jaxpr.eqns[i].invars:
         if _is_var(v) and v in owner and owner[v] != node:
           exported[owner[v]].setdefault(v, None)
+  extra = {}  # node -> equations appended to it
+  if loss_constant and loss_terms is not None:
+    first = loss_vars[0]
+    shifted = jex.core.Var(first.aval)
+    extra[owner[first]] = [
+      jex.core.new_jaxpr_eqn(
+        [
+          first,
+          jex.core.Literal(
+            np.asarray(loss_constant, first.aval.dtype), first.aval
+          ),
+        ],
+        [shifted],
+        jax.lax.add_p,
+        {},
+        jex.core.no_effects,
+      )
+    ]
+    owner[shifted] = owner[first]
+    loss_vars[0] = shifted
   for v in loss_vars:
     if _is_var(v) and v in owner:
       exported[owner[v]].setdefault(v, None)
@@ -108,7 +131,7 @@ def cut(
       key_of[v] = f"node{node}:{k}"
   programs = []
   for node, group in enumerate(groups):
-    eqns = [jaxpr.eqns[i] for i in sorted(group)]
+    eqns = [jaxpr.eqns[i] for i in sorted(group)] + extra.get(node, [])
     defined = {v for e in eqns for v in e.outvars}
     invars = {}
     for e in eqns:
@@ -152,6 +175,7 @@ class Program:
     groups: equation indices of each node, nodes in topological order.
     loss_terms: positions (equation, output) of the values whose sum is
       the loss; None when the loss is the jaxpr's output.
+    loss_constant: constants the loss adds to those terms (`cut`).
     batch_size: the batch size of `closed`.
     closed: the loss jaxpr at `batch_size`.
     flatten: (variables, batch) -> flat leaves in the order of input_keys.
@@ -170,18 +194,20 @@ class Program:
     closed: jex.core.ClosedJaxpr,
     flatten: Callable,
     unflatten_params: Callable | None = None,
+    loss_constant: float = 0.0,
   ):
     self._trace = trace
     self.input_keys = tuple(input_keys)
     self.groups = tuple(tuple(g) for g in groups)
     self.loss_terms = loss_terms
+    self.loss_constant = loss_constant
     self.batch_size = batch_size
     self.closed = closed
     self._flatten = flatten
     self._unflatten_params = unflatten_params
     self._signature = primitive_signature(closed.jaxpr)
     self.nodes, self.consts, self.loss_keys = cut(
-      closed, self.input_keys, self.groups, loss_terms
+      closed, self.input_keys, self.groups, loss_terms, loss_constant
     )
     self._by_size = {batch_size: self}
 
@@ -201,6 +227,7 @@ class Program:
       input_keys=self.input_keys,
       groups=self.groups,
       loss_terms=self.loss_terms,
+      loss_constant=self.loss_constant,
       batch_size=batch_size,
       closed=closed,
       flatten=self._flatten,

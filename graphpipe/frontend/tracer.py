@@ -283,7 +283,7 @@ def capture(
   grouping = Grouping(jaxpr, runs(labels), model_vars)
   grouping.merge_intervals()
   grouping.topological()
-  terms = loss_terms(jaxpr, grouping)
+  terms, constant = loss_terms(jaxpr, grouping) or (None, 0.0)
   if terms is not None:
     grouping.groups.pop()
     grouping.labels.pop()
@@ -312,6 +312,7 @@ def capture(
     input_keys=input_keys,
     groups=groups,
     loss_terms=terms,
+    loss_constant=constant,
     batch_size=batch_size,
     closed=closed,
     flatten=flatten_inputs,

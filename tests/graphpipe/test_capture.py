@@ -293,6 +293,19 @@ def test_summed_losses_become_loss_terms():
   np.testing.assert_allclose(
     graph.evaluate(model, batch), model(batch), rtol=1e-6
   )
+  # A constant added to the terms was dropped with the summing node (the
+  # loss came out 1.0 short; gradients were right).
+  plus_one = lambda m, b: m(b) + 1.0
+  graph = graphpipe.capture(plus_one, model, batch)
+  assert graph.loss_nodes == (0, 1)
+  np.testing.assert_allclose(
+    graph.evaluate(model, batch), plus_one(model, batch), rtol=1e-6
+  )
+  trainer = graphpipe.Trainer(
+    graphpipe.plan(graph, 2, 3), optax.sgd(0.1), graph=graph
+  )
+  loss, _ = trainer.loss_and_grads(trainer.init(model), batch)
+  assert loss == pytest.approx(float(plus_one(model, batch)), rel=1e-6)
 
 
 @pytest.mark.parametrize("fail", [False, True])
