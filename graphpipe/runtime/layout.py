@@ -29,6 +29,7 @@ from graphpipe.core.channels import overlaps
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.errors import PipelineRuntimeError
+from graphpipe.frontend import samples
 from graphpipe.frontend.program import Program
 from graphpipe.schedules.grid import Schedule
 
@@ -184,6 +185,27 @@ def batch_axis(small_shape, large_shape, key: str) -> int:
   return axes[0]
 
 
+def _check_sample_rows(program: Program, crossings) -> None:
+  """Values cut or joined between chunks of other sizes must hold each
+  sample's rows as one block (`graphpipe.frontend.samples`)."""
+  crossings = sorted(crossings)
+  mixed = samples.mixed_values(program, {key for key, _, _ in crossings})
+  for key, src, dst in crossings:
+    if key in mixed:
+      sample, rows, per = mixed[key]
+      raise PipelineRuntimeError(
+        f"value {key} goes from stage {src} to stage {dst}, which takes "
+        "chunks of another size, but it does not hold each sample's rows "
+        f"together along its batch axis: at batch size "
+        f"{samples.PROBE_BATCH}, sample {sample}'s inputs change its rows "
+        f"{rows}, not rows {sample * per}-{(sample + 1) * per - 1} (e.g. a "
+        "time-major (T * B, ...) reshape, two views concatenated along the "
+        "batch axis, or a statistic over the batch). Keep the batch axis "
+        "sample-major where a value leaves a stage ((B, T, ...) -> "
+        "(B * T, ...)), or keep such values inside one stage"
+      )
+
+
 SUPPORTED_DTYPES = (
   "float32",
   "float16",
@@ -256,7 +278,7 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
   for n, node in enumerate(base.nodes):
     for key in node.outputs:
       produced_by[key] = n
-  edges, edge_index = [], {}
+  edges, edge_index, rechunked = [], {}, set()
   for src, dst in sorted(plan.stage_edges):
     keys = sorted(
       {
@@ -280,8 +302,11 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
         )
       shape, axis = chunk_shape(key, chunk)
       values.append(ValueSpec(key, shape, dtypes[key], axis, chunk))
+    if chunk != sizes[dst] // len(plan.stages[dst].devices):
+      rechunked.update((key, src, dst) for key in keys)
     edge_index[(src, dst)] = len(edges)
     edges.append(EdgeLayout(src, dst, tuple(values)))
+  _check_sample_rows(program, rechunked)
   # Every cross-stage read must follow a stage edge.
   for s in plan.stages:
     for n in s.nodes:

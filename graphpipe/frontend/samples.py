@@ -1,0 +1,145 @@
+"""Whether values keep each sample's rows together along their batch axis.
+
+The runtime slices a value that crosses stages by rows of its batch axis,
+`per` rows a sample, sample j in rows [j * per, (j + 1) * per): where a
+stage's chunk of samples differs from its predecessor's, it cuts or joins
+those blocks. A model may lay a value out otherwise, e.g. time-major
+(`(T, B, D) -> (T * B, D)`: sample j's rows are j, B + j, ...) or two views
+stacked along the batch axis (`concatenate([x1, x2])`: rows j and B + j);
+slicing such a value hands a replica or a micro-batch other samples' rows,
+and the loss and gradients come out wrong without any error.
+
+`mixed_values` finds such values by running the program at batch size 2
+on made-up inputs and changing one sample's inputs at a time: the rows of
+a value that change must be that sample's block.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PROBE_BATCH = 2
+
+
+def _batch_axis(small, large) -> int | None:
+  axes = [
+    i for i, (a, b) in enumerate(zip(small, large, strict=True)) if a != b
+  ]
+  return axes[0] if len(axes) == 1 else None
+
+
+def _made_up(aval, rng):
+  """A value of `aval`: floats in [0.5, 1.5] (logs and square roots stay
+  finite), integers 0, booleans False; None for key types."""
+  dtype = aval.dtype
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return None
+  if jnp.issubdtype(dtype, jnp.floating):
+    return jnp.asarray(rng.uniform(0.5, 1.5, aval.shape), dtype)
+  return jnp.zeros(aval.shape, dtype)
+
+
+def _changed(value, sample, axis):
+  """`value` with sample `sample`'s rows along `axis` changed."""
+  index = [slice(None)] * value.ndim
+  index[axis] = sample
+  index = tuple(index)
+  if jnp.issubdtype(value.dtype, jnp.floating):
+    return value.at[index].add(0.25)
+  if value.dtype == jnp.bool_:
+    return value.at[index].set(True)
+  return value.at[index].set(1)
+
+
+# program -> {keys: result}: a trainer built again for the same graph (a
+# sweep, a test) probes nothing new.
+_PROBED = weakref.WeakKeyDictionary()
+
+
+def mixed_values(program, keys) -> dict[str, tuple[int, list[int], int]]:
+  """Values among `keys` whose samples' rows are not consecutive blocks.
+
+  Returns:
+    key -> (sample, rows of the value that sample's inputs change, rows per
+    sample), for each key that fails; empty where the probe cannot run
+    (an input of a key type) or every value keeps its samples together.
+  """
+  keys = sorted(keys)
+  if not keys:
+    return {}
+  done = _PROBED.setdefault(program, {})
+  if tuple(keys) not in done:
+    done[tuple(keys)] = _probe(program, keys)
+  return done[tuple(keys)]
+
+
+def _probe(program, keys):
+  small = program.at_batch_size(PROBE_BATCH)
+  large = program.at_batch_size(2 * PROBE_BATCH)
+  avals, large_shapes = {}, {}
+  for node_s, node_l in zip(small.nodes, large.nodes, strict=True):
+    for key, a, b in zip(
+      node_s.inputs, node_s.input_avals(), node_l.input_avals(), strict=True
+    ):
+      avals[key], large_shapes[key] = a, b.shape
+    for key, a, b in zip(
+      node_s.outputs, node_s.output_avals(), node_l.output_avals(), strict=True
+    ):
+      avals[key], large_shapes[key] = a, b.shape
+  rng = np.random.default_rng(0)
+  inputs = {}
+  for key, aval in avals.items():
+    if key.startswith(("param:", "state:", "batch:")):
+      inputs[key] = _made_up(aval, rng)
+      if inputs[key] is None:
+        return {}
+  inputs.update(small.consts)
+
+  @jax.jit
+  def run(env):  # one compilation: op by op, each op compiled on its own
+    env = dict(env)
+    for node in small.nodes:
+      outs = node(*[env[k] for k in node.inputs])
+      env.update(zip(node.outputs, outs, strict=True))
+    return {key: env[key] for key in keys}
+
+  base = run(inputs)
+  found = {}
+  for sample in range(PROBE_BATCH):
+    env = dict(inputs)
+    for key in inputs:
+      if key.startswith("batch:"):
+        axis = _batch_axis(avals[key].shape, large_shapes[key])
+        if axis is not None:
+          env[key] = _changed(env[key], sample, axis)
+    probe = run(env)
+    for key in keys:
+      if key in found:
+        continue
+      axis = _batch_axis(avals[key].shape, large_shapes[key])
+      if axis is None:
+        continue
+      a, b = _numbers(base[key]), _numbers(probe[key])
+      rows = a.shape[axis]
+      per = rows // PROBE_BATCH
+      differs = (a != b) & ~(_nan(a) & _nan(b))
+      moved = np.moveaxis(differs, axis, 0).reshape(rows, -1).any(axis=1)
+      changed = [int(r) for r in np.flatnonzero(moved)]
+      if any(r // per != sample for r in changed):
+        found[key] = (sample, changed, per)
+  return found
+
+
+def _numbers(x) -> np.ndarray:
+  """`x` as numpy can compare it (bfloat16 as float32)."""
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return np.asarray(x, np.float32)
+  return np.asarray(x)
+
+
+def _nan(x):
+  return np.isnan(x) if np.issubdtype(x.dtype, np.floating) else False
