@@ -12,6 +12,11 @@ and the loss and gradients come out wrong without any error.
 `mixed_values` finds such values by running the program at batch size 2
 on made-up inputs and changing one sample's inputs at a time: the rows of
 a value that change must be that sample's block.
+
+`batch_shaped_draws` finds random numbers drawn in the shape of the batch
+from a key that is not: `bernoulli(key(0), p, h.shape)` in a loss, or
+dropout given `nnx.Rngs(0)` inside it. Each micro-batch then draws its own
+mask from the same key, which is not its rows of the whole batch's mask.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import weakref
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
@@ -143,3 +149,33 @@ def _numbers(x) -> np.ndarray:
 
 def _nan(x):
   return np.isnan(x) if np.issubdtype(x.dtype, np.floating) else False
+
+
+def batch_shaped_draws(small, large) -> list[tuple[int, tuple]]:
+  """Nodes drawing batch-shaped random bits from batch-independent keys.
+
+  Args:
+    small, large: the same program at two batch sizes.
+
+  Returns:
+    (node index, the draw's shape at `small`) of each such draw.
+  """
+  found = []
+
+  def walk(node, a, b):
+    for ea, eb in zip(a.eqns, b.eqns, strict=True):
+      if ea.primitive.name == "random_bits":
+        key_a, key_b = ea.invars[0].aval.shape, eb.invars[0].aval.shape
+        out_a, out_b = ea.outvars[0].aval.shape, eb.outvars[0].aval.shape
+        if key_a == key_b and out_a != out_b:
+          found.append((node, out_a))
+      for sa, sb in zip(
+        jex.core.jaxprs_in_params(ea.params),
+        jex.core.jaxprs_in_params(eb.params),
+        strict=True,
+      ):
+        walk(node, getattr(sa, "jaxpr", sa), getattr(sb, "jaxpr", sb))
+
+  for node, (na, nb) in enumerate(zip(small.nodes, large.nodes, strict=True)):
+    walk(node, na.jaxpr.jaxpr, nb.jaxpr.jaxpr)
+  return found

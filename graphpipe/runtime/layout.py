@@ -257,6 +257,23 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
     ):
       shapes_small[key], shapes_large[key] = a.shape, c.shape
       dtypes[key] = str(a.dtype)
+  if any(
+    s.micro_batch_size < plan.batch_size or len(s.devices) > 1
+    for s in plan.stages
+  ):
+    draws = [
+      f"node {graph.nodes[n].name!r} draws {shape}"
+      for n, shape in samples.batch_shaped_draws(base, large)
+    ]
+    if draws:
+      raise PipelineRuntimeError(
+        "the loss draws random numbers in the shape of the batch from a "
+        f"key that does not depend on it ({'; '.join(draws)}): every "
+        "micro-batch would draw its own from the same key, not its rows of "
+        "the whole batch's draw (e.g. bernoulli(key(0), p, h.shape), or "
+        "dropout given nnx.Rngs(0) inside the loss). Draw per sample from "
+        "keys in the batch, or run the model deterministically"
+      )
   key_avals = {}
   for node in base.nodes:
     for key, aval in zip(node.inputs, node.input_avals(), strict=True):

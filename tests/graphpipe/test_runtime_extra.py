@@ -281,4 +281,55 @@ def test_values_that_interleave_samples_are_refused_where_chunks_change():
   with pytest.raises(GraphpipeError, match="each sample's rows together"):
     trained_loss(interleaved, replicated)
   assert trained_loss(sample_major, replicated) == pytest.approx(want, rel=1e-5)
-  del jax
+
+
+def test_random_draws_in_the_batch_shape_from_a_fixed_key_are_refused():
+  """bernoulli(key(0), p, h.shape) in a loss: each micro-batch drew its own
+  mask from key 0, not its rows of the whole batch's (loss 33% off,
+  silently). Per-sample keys carried in the batch draw the same bits
+  however the batch is cut, and train exactly."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from graphpipe import capture
+  from graphpipe.core.stages import in_flight_counts
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.a, self.b = nnx.Linear(6, 8, rngs=rngs), nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+      return self.b(jnp.tanh(self.a(x)))
+
+  rng = np.random.default_rng(0)
+  batch = {
+    "x": rng.normal(size=(8, 6)).astype(np.float32),
+    "y": rng.normal(size=(8, 1)).astype(np.float32),
+    "seed": np.arange(8, dtype=np.uint32),
+  }
+
+  def fixed_key(m, b):
+    h = m(b["x"])
+    keep = jax.random.bernoulli(jax.random.key(0), 0.5, h.shape)
+    return jnp.mean((jnp.where(keep, h, 0.0) - b["y"]) ** 2)
+
+  def per_sample(m, b):
+    h = m(b["x"])
+    draw = lambda s, row: jax.random.bernoulli(
+      jax.random.key(s), 0.5, row.shape
+    )
+    keep = jax.vmap(draw)(b["seed"], h)
+    return jnp.mean((jnp.where(keep, h, 0.0) - b["y"]) ** 2)
+
+  flight = in_flight_counts(2, ((0, 1),))
+  stages = tuple(Stage(i, (i,), (i,), 4, flight[i]) for i in range(2))
+  two_micro_batches = Plan("manual", stages, ((0, 1),), 8, 2)
+  model = Net(nnx.Rngs(0))
+  graph = capture(fixed_key, model, batch)
+  with pytest.raises(GraphpipeError, match="node 'b' draws"):
+    Trainer(two_micro_batches, optax.sgd(0.1), graph=graph)
+  graph = capture(per_sample, model, batch)
+  trainer = Trainer(two_micro_batches, optax.sgd(0.1), graph=graph)
+  got = trainer.loss_and_grads(trainer.init(model), batch)[0]
+  assert got == pytest.approx(float(per_sample(model, batch)), rel=1e-5)
