@@ -179,3 +179,62 @@ def batch_shaped_draws(small, large) -> list[tuple[int, tuple]]:
   for node, (na, nb) in enumerate(zip(small.nodes, large.nodes, strict=True)):
     walk(node, na.jaxpr.jaxpr, nb.jaxpr.jaxpr)
   return found
+
+
+def summed_loss_gap(program) -> tuple[float, float] | None:
+  """(loss of two samples, sum of their losses) where they differ.
+
+  A loss the trainer sums over micro-batches (`loss_reduction="sum"`) must
+  be a sum over samples: a batch-independent term (a weight penalty, a
+  constant) would otherwise count once per micro-batch. Checked on
+  made-up inputs at batch sizes 1 and 2; None where the sum holds (to
+  1e-4) or the probe cannot run (an input of a key type).
+  """
+  one, two = program.at_batch_size(1), program.at_batch_size(2)
+  avals_one, avals_two = {}, {}
+  for node_1, node_2 in zip(one.nodes, two.nodes, strict=True):
+    for key, a, b in zip(
+      node_1.inputs, node_1.input_avals(), node_2.input_avals(), strict=True
+    ):
+      avals_one[key], avals_two[key] = a, b
+  rng = np.random.default_rng(0)
+  shared, parts = {}, ({}, {})
+  for key, aval in avals_one.items():
+    if not key.startswith(("param:", "state:", "batch:")):
+      continue
+    if key.startswith("batch:"):
+      parts[0][key], parts[1][key] = (_made_up(aval, rng) for _ in range(2))
+      if parts[0][key] is None:
+        return None
+      if jnp.issubdtype(aval.dtype, jnp.integer):
+        parts[1][key] = parts[1][key] + 1  # the two samples differ
+    else:
+      shared[key] = _made_up(aval, rng)
+      if shared[key] is None:
+        return None
+  both = dict(shared)
+  for key in parts[0]:
+    axis = _batch_axis(avals_one[key].shape, avals_two[key].shape)
+    if axis is None:
+      both[key] = parts[0][key]  # read whole by both halves
+      parts[1][key] = parts[0][key]
+    else:
+      both[key] = jnp.concatenate([parts[0][key], parts[1][key]], axis)
+
+  def loss(prog):
+    @jax.jit
+    def run(env):
+      env = {**env, **prog.consts}
+      for node in prog.nodes:
+        outs = node(*[env[k] for k in node.inputs])
+        env.update(zip(node.outputs, outs, strict=True))
+      return sum(env[k].astype(jnp.float32) for k in prog.loss_keys)
+
+    return run
+
+  whole = float(loss(two)(both))
+  run_one = loss(one)
+  summed = sum(float(run_one({**shared, **part})) for part in parts)
+  if abs(whole - summed) <= 1e-4 * max(abs(whole), abs(summed), 1e-6):
+    return None
+  return whole, summed

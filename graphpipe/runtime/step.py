@@ -51,6 +51,7 @@ from jax import lax
 from graphpipe.core.feed import device_feeds, feed_words
 from graphpipe.core.graph import InputSpec
 from graphpipe.errors import PipelineRuntimeError
+from graphpipe.frontend import samples
 from graphpipe.frontend.program import Program
 from graphpipe.runtime import feed, packing, reduce, slots
 from graphpipe.runtime.buffers import Buffers, Operands
@@ -105,6 +106,19 @@ class StepBuilder(StageCode):
       raise PipelineRuntimeError(
         f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}"
       )
+    if loss_reduction == "sum" and any(
+      s.chunk < batch_size for s in layout.stages
+    ):
+      gap = samples.summed_loss_gap(program)
+      if gap is not None:
+        raise PipelineRuntimeError(
+          "loss_reduction='sum' needs a loss that sums over samples, but "
+          f"on made-up inputs two samples' loss is {gap[0]:.6g} and the "
+          f"sum of their own losses {gap[1]:.6g}: a term that does not "
+          "grow with the batch (a weight penalty, a constant) would count "
+          "once per micro-batch. Use loss_reduction='mean' with a mean "
+          "loss, or scale such terms by the batch's share"
+        )
     self.schedule = schedule
     self.recompute = recompute
     self.loss_reduction = loss_reduction

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 
 import graphpipe
 from graphpipe.core.stages import Plan, Stage, in_flight_counts
+from graphpipe.errors import GraphpipeError
 
 BATCH = 8
 
@@ -135,6 +136,15 @@ def test_summed_loss_with_loss_reduction_sum(setup):
     plan, optax.sgd(0.1), graph=graph, loss_reduction="sum"
   )
   check_exact(trainer, model, sum_loss, graph)
+  # A weight penalty does not grow with the batch: summed over micro-batches
+  # it counted once per micro-batch (loss 8% high, gradients 17% off,
+  # silently); refused now. With "mean" it is exact.
+  penalised = lambda m, b: (
+    sum_loss(m, b) + 0.1 * jnp.sum(m.head.kernel[...] ** 2)
+  )
+  graph = graphpipe.capture(penalised, model, batch_of(0), granularity=1)
+  with pytest.raises(GraphpipeError, match="count once per micro-batch"):
+    graphpipe.Trainer(plan, optax.sgd(0.1), graph=graph, loss_reduction="sum")
 
 
 def test_non_trainable_variables_are_read_and_kept(setup):
