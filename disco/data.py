@@ -94,6 +94,9 @@ def holdout(dataset: Dataset, fraction: float, seed: int = 0) -> Dataset:
     dataset: the dataset.
     fraction: share of the training set held out.
     seed: seed of the split.
+
+  Raises:
+    DataError: the split would leave either side empty.
   """
   if dataset.x_val is not None:
     return dataclasses.replace(
@@ -104,6 +107,13 @@ def holdout(dataset: Dataset, fraction: float, seed: int = 0) -> Dataset:
     )
   order = np.random.default_rng(seed).permutation(len(dataset.x_train))
   cut = round(fraction * len(order))
+  if not 0 < cut < len(order):
+    # disco_train found the empty validation set only after dense training.
+    raise DataError(
+      f"holding out {fraction} of {len(order)} training examples leaves "
+      f"{cut} to validate on and {len(order) - cut} to train on: both "
+      "need at least one (more examples, or another fraction)"
+    )
   held, kept = order[:cut], order[cut:]
   return dataclasses.replace(
     dataset,

@@ -21,8 +21,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from disco.errors import ConfigError, require_int
+
 SCALES = (0.25, 0.45, 0.7)
+# Default boxes' aspect ratios (width / height): `anchors` takes the first.
+ASPECTS = (1.0, 2.0, 0.5)
 VARIANCES = (0.1, 0.2)
+
+
+def check_anchors(anchors) -> None:
+  """ConfigError unless 1 <= anchors <= len(ASPECTS): with more, the heads
+  emitted boxes no default box matched."""
+  require_int("anchors", anchors, 1)
+  if anchors > len(ASPECTS):
+    raise ConfigError(
+      f"anchors must be at most {len(ASPECTS)} (aspect ratios {ASPECTS}), "
+      f"got {anchors}"
+    )
 
 
 def default_boxes(feature_sizes, image_size: int, anchors: int = 3):
@@ -38,7 +53,8 @@ def default_boxes(feature_sizes, image_size: int, anchors: int = 3):
            [4., 0., 8., 4.],
            [4., 4., 8., 8.]], dtype=float32)
   """
-  aspects = (1.0, 2.0, 0.5)[:anchors]
+  check_anchors(anchors)
+  aspects = ASPECTS[:anchors]
   rows = []
   scales = SCALES
   if len(feature_sizes) != len(SCALES):

@@ -69,7 +69,8 @@ def require_int(name: str, value, least: int, error=ConfigError) -> None:
     ...
     disco.errors.ConfigError: epochs must be an int >= 0, got -1
   """
-  if isinstance(value, bool) or not isinstance(value, int) or value < least:
+  integral = isinstance(value, numbers.Integral)  # numpy's ints as well
+  if isinstance(value, bool) or not integral or value < least:
     raise error(f"{name} must be an int >= {least}, got {value!r}")
 
 

@@ -146,11 +146,7 @@ def to_ratio(
   """
   comm_ratio = check_ratio(comm_ratio)
   require_int("seed", seed, 0, PruneError)
-  if budget not in BUDGETS or selection not in SELECTIONS:
-    raise PruneError(
-      f"budget must be one of {BUDGETS} and selection one of {SELECTIONS}, "
-      f"got {budget!r} and {selection!r}"
-    )
+  _check_choices(budget, selection)
   if not any(isinstance(m, DiscoLayer) for _, m in nnx.iter_modules(model)):
     raise PruneError(
       f"{type(model).__name__} has no DISCO layers: there is nothing to prune"
@@ -201,6 +197,14 @@ def check_ratio(comm_ratio) -> float:
   return value
 
 
+def _check_choices(budget, selection) -> None:
+  if budget not in BUDGETS or selection not in SELECTIONS:
+    raise PruneError(
+      f"budget must be one of {BUDGETS} and selection one of {SELECTIONS}, "
+      f"got {budget!r} and {selection!r}"
+    )
+
+
 def _real(value) -> float | None:
   """`value` as a float if it is a real number (a Python, numpy or 0-d
   array one; not a bool), else None."""
@@ -244,8 +248,11 @@ class GradualSchedule:
   def __post_init__(self):
     object.__setattr__(self, "target_ratio", check_ratio(self.target_ratio))
     require_int("seed", self.seed, 0, PruneError)
-    if self.steps < 1 or self.every < 1:
-      raise PruneError("schedule steps and every must be at least 1")
+    # A fractional `steps` was taken and `due` never met the last step: the
+    # schedule stopped short of its target without a word.
+    require_int("steps", self.steps, 1, PruneError)
+    require_int("every", self.every, 1, PruneError)
+    _check_choices(self.budget, self.selection)
 
   def ratio_at(self, step: int) -> float:
     """The communication ratio the masks should have after `step` steps."""

@@ -296,7 +296,11 @@ def _choose(settings, results, sweep):
   dense_bytes = results["comm_bytes_dense"]
   return dict(
     row,
-    bytes_reduction=dense_bytes / max(row["comm_bytes"], 1),
+    # None where the chosen model sends nothing (one node, ratio 0): the
+    # max(bytes, 1) printed 0x on one node and dense's bytes otherwise.
+    bytes_reduction=dense_bytes / row["comm_bytes"]
+    if row["comm_bytes"]
+    else None,
     drop_from_dense_test=dense_test - row["quality"],
   )
 

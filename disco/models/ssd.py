@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from disco import lowering
+from disco import detection, lowering
 from disco.layers import DiscoConv
 from disco.models.resnet import BasicBlock, ConvBN, pack_layers
 from disco.ops import ONE_DEVICE, Ops
@@ -49,6 +49,9 @@ class SSDConfig:
   num_classes: int = 5
   in_channels: int = 3
   image_size: int = 32
+
+  def __post_init__(self):
+    detection.check_anchors(self.anchors)
 
   @property
   def feature_sizes(self) -> tuple[int, ...]:

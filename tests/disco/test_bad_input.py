@@ -26,7 +26,7 @@ from disco.errors import (
   PruneError,
 )
 from disco.layers import DiscoConv, DiscoDense
-from disco.models import ResNet, ResNetConfig, ViT, ViTConfig
+from disco.models import ResNet, ResNetConfig, SSDConfig, ViT, ViTConfig
 from tests.bad_input_table import table_tests
 
 
@@ -209,7 +209,37 @@ ROWS = [
     "prune-schedule-zero-steps",
     lambda c: prune.GradualSchedule(0.5, 0),
     PruneError,
-    "at least 1",
+    "steps must be an int >= 1",
+  ),
+  # A fractional step count stopped the schedule short of its target.
+  (
+    "prune-schedule-fractional-steps",
+    lambda c: prune.GradualSchedule(0.2, steps=14.9, every=5),
+    PruneError,
+    "steps must be an int >= 1, got 14.9",
+  ),
+  # Refused at the first prune before, after `every` training steps.
+  (
+    "prune-schedule-unknown-budget",
+    lambda c: prune.GradualSchedule(0.2, steps=10, budget="foo"),
+    PruneError,
+    "budget must be one of",
+  ),
+  # Four anchors built heads of 84 boxes against 63 default boxes; loss and
+  # mAP then failed to broadcast.
+  (
+    "ssd-anchors-beyond-aspects",
+    lambda c: SSDConfig(anchors=4),
+    ConfigError,
+    "anchors must be at most 3",
+  ),
+  # Three training scenes x 0.15 held out none: disco_train failed after
+  # dense training.
+  (
+    "data-holdout-empty",
+    lambda c: data.holdout(data.synthetic(train=3, test=2), 0.15),
+    DataError,
+    "leaves 0 to validate on",
   ),
   # disco.train
   (

@@ -205,6 +205,23 @@ def test_a_bad_setting_on_the_command_line_ends_the_run_without_a_traceback(
   assert "Traceback" not in run.stderr
 
 
+def test_the_chosen_rows_byte_reduction_is_none_where_nothing_is_sent():
+  # One node sends nothing: "0x fewer bytes" was reported (0 / max(0, 1)).
+  settings = disco_train.Settings(tolerance=0.1)
+  results = {
+    "quality_dense_validation_per_seed": [0.9],
+    "quality_dense_per_seed": [0.8],
+    "comm_bytes_dense": 0,
+  }
+  row = dict(quality_validation=0.9, quality=0.8, comm_bytes=0)
+  assert (
+    disco_train._choose(settings, results, [row])["bytes_reduction"] is None
+  )
+  results["comm_bytes_dense"] = 400
+  row["comm_bytes"] = 100
+  assert disco_train._choose(settings, results, [row])["bytes_reduction"] == 4
+
+
 def test_flags_left_out_take_the_tasks_measured_settings(tmp_path):
   measured = disco_train.Settings.for_task("detect")
   assert (measured.dataset, measured.seeds, measured.finetune_epochs) == (
