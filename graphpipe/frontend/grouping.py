@@ -32,17 +32,18 @@ def _eqn_chain(eqn, framework):
   enclosing equation: the common chain of the inner equations then names it.
   """
   chain = module_chain(eqn.source_info.name_stack, framework)
-  if framework != "nnx":  # linen scopes inside transforms are relative
-    return chain
-  common = None
-  for inner in _inner_chains(eqn, framework):
-    if common is None:
-      common = inner
-    else:
-      k = 0
-      while k < min(len(common), len(inner)) and common[k] == inner[k]:
-        k += 1
-      common = common[:k]
+  if framework != "nnx":
+    # Linen scopes inside transforms are relative to the transformed
+    # module (nn.remat(Block) named blk0: 'blk0/dense'); without them every
+    # rematerialised block was one 'glue' node. Not under nn.jit: it
+    # reuses one traced body, with the first call's names, for every call.
+    if eqn.primitive.name in ("jit", "pjit"):
+      return chain
+    inner = _common(_inner_chains(eqn, "linen-relative"))
+    if not inner:
+      return chain
+    return chain + tuple(f"{chain[-1]}.{c}" if chain else c for c in inner)
+  common = _common(_inner_chains(eqn, framework))
   if not common:
     return chain
   if common[: len(chain)] == chain:  # inner stacks include the outer scopes
@@ -50,6 +51,20 @@ def _eqn_chain(eqn, framework):
   if not chain or common[0].startswith(chain[-1] + "."):
     return chain + common  # inner stacks start afresh inside the transform
   return chain
+
+
+def _common(chains):
+  """The longest chain prefix all `chains` share (None for no chains)."""
+  common = None
+  for inner in chains:
+    if common is None:
+      common = inner
+    else:
+      k = 0
+      while k < min(len(common), len(inner)) and common[k] == inner[k]:
+        k += 1
+      common = common[:k]
+  return common
 
 
 def labels_of(jaxpr, framework, depth):

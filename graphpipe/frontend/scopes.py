@@ -81,8 +81,9 @@ def module_chain(name_stack, framework: str) -> tuple[str, ...]:
 
   Args:
     name_stack: an equation's `source_info.name_stack`.
-    framework: "nnx" (scopes added by `nnx_module_scopes`) or "linen" (one
-      scope per module, the first being the root module's class name).
+    framework: "nnx" (scopes added by `nnx_module_scopes`), "linen" (one
+      scope per module, the first being the root module's class name) or
+      "linen-relative" (inside a linen transform: no root name).
 
   Returns:
     e.g. ('blocks.0', 'blocks.0.lin'); () for the root module's own code and
@@ -97,9 +98,11 @@ def module_chain(name_stack, framework: str) -> tuple[str, ...]:
         if not chain or chain[-1] != path:
           chain.append(path)
     return tuple(chain)
-  if framework == "linen":
+  if framework in ("linen", "linen-relative"):
+    # Inside a lifted transform (nn.remat, nn.jit) the stack starts afresh
+    # at the transformed module: no root class name to drop.
     chain = []
-    for name in names[1:]:
+    for name in names[1:] if framework == "linen" else names:
       chain.append(f"{chain[-1]}.{name}" if chain else name)
     return tuple(chain)
   raise CaptureError(

@@ -461,3 +461,40 @@ def test_an_nnx_model_with_dropout_in_inference_mode_trains_exactly():
       grads[name], want_grads[name], rtol=1e-5, atol=1e-7
     )
   state, _ = trainer.step(state, batch)  # and a step runs
+
+
+def test_linen_blocks_under_remat_keep_their_names():
+  # Linen's scopes inside a lifted transform are relative to the
+  # transformed module ('blk0/d'): every nn.remat block was one 'glue'
+  # node, leaving a rematerialised stack nothing to pipeline.
+  class Blk(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+      return h + nn.Dense(6, name="d2")(jnp.tanh(nn.Dense(6, name="d")(h)))
+
+  class Enc(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+      for i in range(3):
+        h = nn.remat(Blk)(name=f"blk{i}")(h)
+      return h
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = Enc(name="enc")(nn.Dense(6, name="a")(x))
+      return nn.Dense(3, name="head")(h)
+
+  module, batch = Net(), make_batch()
+  variables = module.init(jax.random.key(0), batch["x"])
+  graph = graphpipe.capture(
+    xent, module, batch, variables=variables, granularity=2
+  )
+  names = [n.name for n in graph.nodes]
+  assert names == ["a", "enc.blk0", "enc.blk1", "enc.blk2", "head"]
+  want = xent(module.bind(variables), batch)
+  trainer = graphpipe.Trainer(
+    graphpipe.plan(graph, 3, len(batch["x"])), optax.sgd(0.1), graph=graph
+  )
+  loss, _ = trainer.loss_and_grads(trainer.init(variables), batch)
+  assert loss == pytest.approx(float(want), rel=1e-5)
