@@ -109,8 +109,9 @@ class _Bound:
       with nnx_module_scopes(model):
         loss = loss_fn(model, batch)
       after = jax.tree.leaves(nnx.state(model))
-      if len(before) != len(after) or any(
-        a is not b for a, b in zip(before, after, strict=True)
+      if len(before) != len(after) or (
+        any(a is not b for a, b in zip(before, after, strict=True))
+        and not self._writes_back_unchanged(loss_fn, params, state, batch)
       ):
         raise CaptureError(
           "loss_fn changed the model's variables while computing the loss "
@@ -121,6 +122,29 @@ class _Bound:
       return loss
     bound = self.module.bind({"params": params, **self.state})
     return loss_fn(bound, batch)
+
+  def _writes_back_unchanged(self, loss_fn, params, state, batch) -> bool:
+    """Whether every variable the loss left as a new value is its input,
+    passed through nested calls: nnx.remat and nnx.jit return the
+    variables they were given, as new tracers, even when nothing changed
+    (identity said 'changed', and such models were refused)."""
+
+    def before_and_after(params, state, batch):
+      model = nnx.merge(self.graphdef, params, state)
+      before = jax.tree.leaves(nnx.state(model))
+      with nnx_module_scopes(model):
+        loss_fn(model, batch)
+      return before, jax.tree.leaves(nnx.state(model))
+
+    shapes = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, state, batch)
+    )
+    jaxpr = jax.make_jaxpr(before_and_after)(*shapes).jaxpr
+    half = len(jaxpr.outvars) // 2
+    return all(
+      a in jaxpr.invars and _source(jaxpr, b) == jaxpr.invars.index(a)
+      for a, b in zip(jaxpr.outvars[:half], jaxpr.outvars[half:], strict=True)
+    )
 
   def split(self, variables):
     """User variables (an NNX state/model or linen dict) -> (params, state)."""
@@ -134,6 +158,31 @@ class _Bound:
       return params, state
     variables = unfreeze(variables)
     return variables.pop("params", {}), variables
+
+
+def _source(jaxpr, var) -> int | None:
+  """The index of the input of `jaxpr` that `var` is, through equations
+  that only pass it on (a nested jaxpr returning its own input); None if
+  it is computed."""
+  made = {v: (e, k) for e in jaxpr.eqns for k, v in enumerate(e.outvars)}
+  while var not in jaxpr.invars:
+    if isinstance(var, jax.extend.core.Literal) or var not in made:
+      return None
+    eqn, k = made[var]
+    subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
+    if len(subs) != 1:
+      return None
+    sub = getattr(subs[0], "jaxpr", subs[0])
+    if (len(sub.invars), len(sub.outvars)) != (
+      len(eqn.invars),
+      len(eqn.outvars),
+    ):
+      return None
+    inner = _source(sub, sub.outvars[k])
+    if inner is None:
+      return None
+    var = eqn.invars[inner]
+  return jaxpr.invars.index(var)
 
 
 def capture(

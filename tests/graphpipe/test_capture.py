@@ -498,3 +498,45 @@ def test_linen_blocks_under_remat_keep_their_names():
   )
   loss, _ = trainer.loss_and_grads(trainer.init(variables), batch)
   assert loss == pytest.approx(float(want), rel=1e-5)
+
+
+def test_nnx_remat_and_jit_inside_a_model_are_not_taken_for_mutation():
+  # nnx.remat and nnx.jit hand the variables they were given back as new
+  # tracers: the identity check called that a change and refused the
+  # model. A variable that does change under nnx.jit is still refused.
+  class Layer(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(6, 6, rngs=rngs)
+      self.calls = nnx.BatchStat(jnp.zeros(()))
+
+    def __call__(self, x, count=False):
+      if count:
+        self.calls[...] = self.calls[...] + 1
+      return jnp.tanh(self.lin(x))
+
+  class Net(nnx.Module):
+    def __init__(self, wrap, rngs):
+      self.first, self.second = Layer(rngs), Layer(rngs)
+      self.head, self.wrap = nnx.Linear(6, 3, rngs=rngs), wrap
+
+    def __call__(self, x):
+      return self.head(self.second(self.wrap(self.first, x)))
+
+  batch = make_batch()
+  for wrap in (
+    lambda m, x: nnx.remat(lambda mm, v: mm(v))(m, x),
+    lambda m, x: nnx.jit(lambda mm, v: mm(v))(m, x),
+  ):
+    model = Net(wrap, nnx.Rngs(0))
+    graph = graphpipe.capture(xent, model, batch)
+    trainer = graphpipe.Trainer(
+      graphpipe.plan(graph, 2, len(batch["x"])), optax.sgd(0.1), graph=graph
+    )
+    loss, _ = trainer.loss_and_grads(trainer.init(model), batch)
+    assert loss == pytest.approx(float(xent(model, batch)), rel=1e-5)
+  counting = Net(
+    lambda m, x: nnx.jit(lambda mm, v: mm(v, count=True))(m, x),
+    nnx.Rngs(0),
+  )
+  with pytest.raises(CaptureError, match="changed the model's variables"):
+    graphpipe.capture(xent, counting, batch)
