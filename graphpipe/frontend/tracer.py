@@ -160,6 +160,15 @@ class _Bound:
     return variables.pop("params", {}), variables
 
 
+# Linen errors of layers that change state or draw random numbers while
+# training: the batch's shapes are not the cause (the hint said they were).
+_STATEFUL_HINTS = {
+  name: "graphpipe captures pure losses: run such layers in inference mode "
+  "(BatchNorm use_running_average=True, Dropout deterministic=True)"
+  for name in ("ModifyScopeVariableError", "InvalidRngError")
+}
+
+
 def _source(jaxpr, var) -> int | None:
   """The index of the input of `jaxpr` that `var` is, through equations
   that only pass it on (a nested jaxpr returning its own input); None if
@@ -292,10 +301,15 @@ def capture(
     except CaptureError:
       raise
     except Exception as err:  # the user's code failed: say where to look
+      hint = _STATEFUL_HINTS.get(type(err).__name__)
       raise CaptureError(
         f"tracing loss_fn(model, batch) failed with {type(err).__name__}: "
-        f"{err}\nCheck that the batch's shapes and dtypes fit the model "
-        f"(batch: {described_batch})"
+        f"{err}\n"
+        + (
+          hint
+          or "Check that the batch's shapes and dtypes fit the model "
+          f"(batch: {described_batch})"
+        )
       ) from err
     outs = closed.out_avals
     if (

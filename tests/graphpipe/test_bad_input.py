@@ -10,6 +10,8 @@ runs in well under a second once the module's graph and plan exist.
 
 import dataclasses
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,6 +67,23 @@ def ctx(tmp_path_factory):
   return Ctx(tmp_path_factory.mktemp("bad_input"))
 
 
+def _linen_training(layer):
+  """Capture of a linen model whose middle layer runs in training mode."""
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = layer()(nn.Dense(8, name="a")(x))
+      return nn.Dense(1, name="b")(h)
+
+  variables = Net().init(
+    {"params": jax.random.key(0), "dropout": jax.random.key(1)}, BATCH["x"]
+  )
+  return graphpipe.capture(
+    lambda m, b: jnp.mean(m(b["x"])), Net(), BATCH, variables=variables
+  )
+
+
 # (id, case(ctx), error class, message pattern)
 ROWS = [
   # graphpipe.capture
@@ -99,6 +118,20 @@ ROWS = [
     ),
     CaptureError,
     "floating-point scalar",
+  ),
+  # Linen layers that update state or draw random numbers in training:
+  # the message blamed the batch's shapes.
+  (
+    "capture-linen-batch-norm-training",
+    lambda c: _linen_training(lambda: nn.BatchNorm(use_running_average=False)),
+    CaptureError,
+    "run such layers in inference mode",
+  ),
+  (
+    "capture-linen-dropout-training",
+    lambda c: _linen_training(lambda: nn.Dropout(0.5, deterministic=False)),
+    CaptureError,
+    "run such layers in inference mode",
   ),
   (
     "capture-batch-wrong-shape",
