@@ -436,11 +436,16 @@ def _build_graph(
   """Assembles nodes, edges and inputs; measures costs if asked."""
   small = program
   large = program.at_batch_size(2 * program.batch_size) if costs else None
-  figures = (
-    node_costs.per_sample(small, large)
-    if costs
-    else [({}, {}) for _ in small.nodes]
-  )
+  figures = [({}, {}) for _ in small.nodes]
+  if costs:
+    try:
+      figures = node_costs.per_sample(small, large)
+    except (ValueError, TypeError) as err:  # e.g. an undifferentiable loop
+      raise CaptureError(
+        "measuring the nodes' forward and backward costs failed with "
+        f"{type(err).__name__}: {err}\nThe trainer differentiates the loss: "
+        "jax.grad of loss_fn must work on this model"
+      ) from err
   key_bytes = {}
   for key, aval in zip(
     program.input_keys, program.closed.jaxpr.invars, strict=True

@@ -67,6 +67,18 @@ def ctx(tmp_path_factory):
   return Ctx(tmp_path_factory.mktemp("bad_input"))
 
 
+class _Looping(nnx.Module):
+  """A layer applied in a while_loop (traced bounds), then a head."""
+
+  def __init__(self):
+    self.layer = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    self.head = nnx.Linear(4, 1, rngs=nnx.Rngs(1))
+
+  def __call__(self, x):
+    step = lambda v: (v[0] + 1, jnp.sin(self.layer(v[1])))
+    return self.head(jax.lax.while_loop(lambda v: v[0] < 3, step, (0, x))[1])
+
+
 def _linen_training(layer):
   """Capture of a linen model whose middle layer runs in training mode."""
 
@@ -132,6 +144,14 @@ ROWS = [
     lambda c: _linen_training(lambda: nn.Dropout(0.5, deterministic=False)),
     CaptureError,
     "run such layers in inference mode",
+  ),
+  # A while_loop with traced bounds cannot be differentiated: a raw
+  # ValueError from the cost measurement.
+  (
+    "capture-loss-not-differentiable",
+    lambda c: graphpipe.capture(loss_fn, _Looping(), BATCH),
+    CaptureError,
+    "jax.grad of loss_fn must work",
   ),
   (
     "capture-batch-wrong-shape",
