@@ -272,3 +272,28 @@ class Program:
       outs = node(*[env[k] for k in node.inputs])
       env.update(zip(node.outputs, outs, strict=True))
     return functools.reduce(operator.add, [env[k] for k in program.loss_keys])
+
+
+def source_input(jaxpr, var) -> int | None:
+  """The index of the input of `jaxpr` that `var` is, through equations
+  that only pass it on (a nested jaxpr returning its own input); None if
+  it is computed."""
+  made = {v: (e, k) for e in jaxpr.eqns for k, v in enumerate(e.outvars)}
+  while var not in jaxpr.invars:
+    if isinstance(var, jex.core.Literal) or var not in made:
+      return None
+    eqn, k = made[var]
+    subs = list(jex.core.jaxprs_in_params(eqn.params))
+    if len(subs) != 1:
+      return None
+    sub = getattr(subs[0], "jaxpr", subs[0])
+    if (len(sub.invars), len(sub.outvars)) != (
+      len(eqn.invars),
+      len(eqn.outvars),
+    ):
+      return None
+    inner = source_input(sub, sub.outvars[k])
+    if inner is None:
+      return None
+    var = eqn.invars[inner]
+  return jaxpr.invars.index(var)

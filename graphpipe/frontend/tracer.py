@@ -29,7 +29,7 @@ from graphpipe.frontend.grouping import (
   name_nodes,
   runs,
 )
-from graphpipe.frontend.program import Program
+from graphpipe.frontend.program import Program, source_input
 from graphpipe.frontend.scopes import nnx_module_scopes, path_to_str
 
 
@@ -142,7 +142,7 @@ class _Bound:
     jaxpr = jax.make_jaxpr(before_and_after)(*shapes).jaxpr
     half = len(jaxpr.outvars) // 2
     return all(
-      a in jaxpr.invars and _source(jaxpr, b) == jaxpr.invars.index(a)
+      a in jaxpr.invars and source_input(jaxpr, b) == jaxpr.invars.index(a)
       for a, b in zip(jaxpr.outvars[:half], jaxpr.outvars[half:], strict=True)
     )
 
@@ -167,31 +167,6 @@ _STATEFUL_HINTS = {
   "(BatchNorm use_running_average=True, Dropout deterministic=True)"
   for name in ("ModifyScopeVariableError", "InvalidRngError")
 }
-
-
-def _source(jaxpr, var) -> int | None:
-  """The index of the input of `jaxpr` that `var` is, through equations
-  that only pass it on (a nested jaxpr returning its own input); None if
-  it is computed."""
-  made = {v: (e, k) for e in jaxpr.eqns for k, v in enumerate(e.outvars)}
-  while var not in jaxpr.invars:
-    if isinstance(var, jax.extend.core.Literal) or var not in made:
-      return None
-    eqn, k = made[var]
-    subs = list(jax.extend.core.jaxprs_in_params(eqn.params))
-    if len(subs) != 1:
-      return None
-    sub = getattr(subs[0], "jaxpr", subs[0])
-    if (len(sub.invars), len(sub.outvars)) != (
-      len(eqn.invars),
-      len(eqn.outvars),
-    ):
-      return None
-    inner = _source(sub, sub.outvars[k])
-    if inner is None:
-      return None
-    var = eqn.invars[inner]
-  return jaxpr.invars.index(var)
 
 
 def capture(
@@ -353,11 +328,27 @@ def capture(
   grouping.absorb_glue()
   grouping.topological()
   if len(grouping.groups) < 2:
+    params = set(jaxpr.invars[: len(bound.param_names)])
+    outside = any(
+      not label
+      and any(
+        v in params
+        for v in eqn.invars
+        if not isinstance(v, jax.extend.core.Literal)
+      )
+      for label, eqn in zip(labels, jaxpr.eqns, strict=True)
+    )
     raise GraphCutError(
       f"the loss of {bound.root} forms a single node at granularity "
       f"{granularity!r}: "
       + (
-        "a parameter is shared between the first and the last module "
+        "parameters are read outside their modules (e.g. a weight penalty "
+        "over every parameter in loss_fn), which ties each one's module to "
+        "that code and merges everything between them. Compute such terms "
+        "inside the modules, or use the optimizer's weight decay "
+        "(optax.add_decayed_weights) instead"
+        if outside
+        else "a parameter is shared between the first and the last module "
         "call, which merges everything between them. Use a finer "
         "granularity or untie the shared parameters"
         if len({label for label in labels if label}) > 1

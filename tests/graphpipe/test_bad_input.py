@@ -153,6 +153,21 @@ ROWS = [
     CaptureError,
     "jax.grad of loss_fn must work",
   ),
+  # A penalty over every parameter in the loss ties every module to the
+  # loss's code; the message spoke of a shared parameter to untie.
+  (
+    "capture-params-read-in-the-loss",
+    lambda c: graphpipe.capture(
+      lambda m, b: (
+        loss_fn(m, b)
+        + sum(jnp.sum(p**2) for p in jax.tree.leaves(nnx.state(m, nnx.Param)))
+      ),
+      mlp(),
+      BATCH,
+    ),
+    GraphCutError,
+    "optax.add_decayed_weights",
+  ),
   (
     "capture-batch-wrong-shape",
     lambda c: graphpipe.capture(
