@@ -71,8 +71,9 @@ def mixed_values(program, keys) -> dict[str, tuple[int, list[int], int]]:
 
   Returns:
     key -> (sample, rows of the value that sample's inputs change, rows per
-    sample), for each key that fails; empty where the probe cannot run
-    (an input of a key type) or every value keeps its samples together.
+    sample, the probe's batch size), for each key that fails; empty where
+    the probe cannot run (an input of a key type) or every value keeps its
+    samples together.
   """
   keys = sorted(keys)
   if not keys:
@@ -83,9 +84,19 @@ def mixed_values(program, keys) -> dict[str, tuple[int, list[int], int]]:
   return done[tuple(keys)]
 
 
+def _at_two_sizes(program, size: int):
+  """(program at `size`, at 2 `size`, size); at the capture's batch size
+  where the model's code does not trace at `size` (a reshape that needs
+  more samples)."""
+  try:
+    return program.at_batch_size(size), program.at_batch_size(2 * size), size
+  except Exception:  # the user's code: its own batch size traces
+    size = program.batch_size
+    return program, program.at_batch_size(2 * size), size
+
+
 def _probe(program, keys):
-  small = program.at_batch_size(PROBE_BATCH)
-  large = program.at_batch_size(2 * PROBE_BATCH)
+  small, large, size = _at_two_sizes(program, PROBE_BATCH)
   avals, large_shapes = {}, {}
   for node_s, node_l in zip(small.nodes, large.nodes, strict=True):
     for key, a, b in zip(
@@ -115,7 +126,7 @@ def _probe(program, keys):
 
   base = run(inputs)
   found = {}
-  for sample in range(PROBE_BATCH):
+  for sample in sorted({0, size - 1}):
     env = dict(inputs)
     for key in inputs:
       if key.startswith("batch:"):
@@ -131,12 +142,12 @@ def _probe(program, keys):
         continue
       a, b = _numbers(base[key]), _numbers(probe[key])
       rows = a.shape[axis]
-      per = rows // PROBE_BATCH
+      per = rows // size
       differs = (a != b) & ~(_nan(a) & _nan(b))
       moved = np.moveaxis(differs, axis, 0).reshape(rows, -1).any(axis=1)
       changed = [int(r) for r in np.flatnonzero(moved)]
       if any(r // per != sample for r in changed):
-        found[key] = (sample, changed, per)
+        found[key] = (sample, changed, per, size)
   return found
 
 
@@ -182,15 +193,23 @@ def batch_shaped_draws(small, large) -> list[tuple[int, tuple]]:
 
 
 def summed_loss_gap(program) -> tuple[float, float] | None:
-  """(loss of two samples, sum of their losses) where they differ.
+  """(loss of two batches together, sum of their own) where they differ.
 
   A loss the trainer sums over micro-batches (`loss_reduction="sum"`) must
   be a sum over samples: a batch-independent term (a weight penalty, a
   constant) would otherwise count once per micro-batch. Checked on
-  made-up inputs at batch sizes 1 and 2; None where the sum holds (to
+  made-up inputs at batch sizes 1 and 2 (the capture's b and 2 b where
+  the model does not trace at 1); None where the sum holds (to
   1e-4) or the probe cannot run (an input of a key type).
   """
-  one, two = program.at_batch_size(1), program.at_batch_size(2)
+  done = _PROBED.setdefault(program, {})
+  if "summed" not in done:
+    done["summed"] = _summed_gap(program)
+  return done["summed"]
+
+
+def _summed_gap(program):
+  one, two, _ = _at_two_sizes(program, 1)
   avals_one, avals_two = {}, {}
   for node_1, node_2 in zip(one.nodes, two.nodes, strict=True):
     for key, a, b in zip(

@@ -192,12 +192,12 @@ def _check_sample_rows(program: Program, crossings) -> None:
   mixed = samples.mixed_values(program, {key for key, _, _ in crossings})
   for key, src, dst in crossings:
     if key in mixed:
-      sample, rows, per = mixed[key]
+      sample, rows, per, size = mixed[key]
       raise PipelineRuntimeError(
         f"value {key} goes from stage {src} to stage {dst}, which takes "
         "chunks of another size, but it does not hold each sample's rows "
-        f"together along its batch axis: at batch size "
-        f"{samples.PROBE_BATCH}, sample {sample}'s inputs change its rows "
+        f"together along its batch axis: at batch size {size}, sample "
+        f"{sample}'s inputs change its rows "
         f"{rows}, not rows {sample * per}-{(sample + 1) * per - 1} (e.g. a "
         "time-major (T * B, ...) reshape, two views concatenated along the "
         "batch axis, or a statistic over the batch). Keep the batch axis "
