@@ -223,10 +223,12 @@ def test_values_that_interleave_samples_are_refused_where_chunks_change():
 
   class Encode(nnx.Module):
     def __init__(self, time_major, rngs):
-      self.lin, self.time_major = nnx.Linear(6, 4, rngs=rngs), time_major
+      self.lin, self.time_major = nnx.Linear(32, 4, rngs=rngs), time_major
 
-    def __call__(self, x):  # (B, T, 6)
-      h = self.lin(x)
+    def __call__(self, x):  # (B, T, 32)
+      # The probe's made-up weights were positive: 32 features saturated
+      # this tanh, no row moved, and the interleaving went unseen.
+      h = jnp.tanh(self.lin(x))
       if self.time_major:
         h = jnp.transpose(h, (1, 0, 2))
       return h.reshape(-1, 4)
@@ -254,7 +256,7 @@ def test_values_that_interleave_samples_are_refused_where_chunks_change():
 
   rng = np.random.default_rng(0)
   batch = {
-    "x": rng.normal(size=(8, steps, 6)).astype(np.float32),
+    "x": rng.normal(size=(8, steps, 32)).astype(np.float32),
     "y": rng.normal(size=(8, 1)).astype(np.float32),
   }
   loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)

@@ -146,6 +146,27 @@ def test_summed_loss_with_loss_reduction_sum(setup):
   with pytest.raises(GraphpipeError, match="count once per micro-batch"):
     graphpipe.Trainer(plan, optax.sgd(0.1), graph=graph, loss_reduction="sum")
 
+  # A bfloat16 model's per-sample sum rounds to about 2^-8: the check
+  # allows for its precision (it refused 140 against 139.5).
+  class Low(nnx.Module):
+    def __init__(self, rngs):
+      kw = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
+      self.a, self.b = nnx.Linear(6, 8, **kw), nnx.Linear(8, 8, **kw)
+      self.c = nnx.Linear(8, 1, **kw)
+
+    def __call__(self, x):
+      return self.c(jnp.tanh(self.b(jnp.tanh(self.a(x)))))
+
+  low = Low(nnx.Rngs(0))
+  low_batch = jax.tree.map(lambda x: x.astype(jnp.bfloat16), batch_of(0))
+  graph = graphpipe.capture(sum_loss, low, low_batch)
+  graphpipe.Trainer(
+    manual_plan(graph, [([0], [0]), ([1], [1]), ([2], [2])]),
+    optax.sgd(0.1),
+    graph=graph,
+    loss_reduction="sum",
+  )
+
 
 def test_non_trainable_variables_are_read_and_kept(setup):
   model, graph, plan = setup
