@@ -267,11 +267,17 @@ class Program:
         f"batch leaves disagree on the batch size: {sorted(sizes)}"
       )
     program = self.at_batch_size(sizes.pop())
-    env = program.flat_inputs(variables, batch)
-    for node in program.nodes:
+    env = program.run(program.flat_inputs(variables, batch))
+    return functools.reduce(operator.add, [env[k] for k in program.loss_keys])
+
+  def run(self, env: dict) -> dict:
+    """`env` (value keys of the inputs and constants) with every node's
+    outputs added, the nodes run in order."""
+    env = dict(env)
+    for node in self.nodes:
       outs = node(*[env[k] for k in node.inputs])
       env.update(zip(node.outputs, outs, strict=True))
-    return functools.reduce(operator.add, [env[k] for k in program.loss_keys])
+    return env
 
 
 def source_input(jaxpr, var) -> int | None:

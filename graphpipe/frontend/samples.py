@@ -102,18 +102,25 @@ def _at_two_sizes(program, size: int):
     return program, program.at_batch_size(2 * size), size
 
 
+def _avals(small, large):
+  """Value key -> (aval at `small`'s batch size, shape at `large`'s), for
+  every node input and output."""
+  found = {}
+  for node_s, node_l in zip(small.nodes, large.nodes, strict=True):
+    for keys, side_s, side_l in (
+      (node_s.inputs, node_s.input_avals(), node_l.input_avals()),
+      (node_s.outputs, node_s.output_avals(), node_l.output_avals()),
+    ):
+      for key, a, b in zip(keys, side_s, side_l, strict=True):
+        found[key] = (a, b.shape)
+  return found
+
+
 def _probe(program, keys):
   small, large, size = _at_two_sizes(program, PROBE_BATCH)
-  avals, large_shapes = {}, {}
-  for node_s, node_l in zip(small.nodes, large.nodes, strict=True):
-    for key, a, b in zip(
-      node_s.inputs, node_s.input_avals(), node_l.input_avals(), strict=True
-    ):
-      avals[key], large_shapes[key] = a, b.shape
-    for key, a, b in zip(
-      node_s.outputs, node_s.output_avals(), node_l.output_avals(), strict=True
-    ):
-      avals[key], large_shapes[key] = a, b.shape
+  both = _avals(small, large)
+  avals = {key: a for key, (a, _) in both.items()}
+  large_shapes = {key: shape for key, (_, shape) in both.items()}
   rng = np.random.default_rng(0)
   inputs = {}
   for key, aval in avals.items():
@@ -126,10 +133,7 @@ def _probe(program, keys):
 
   @jax.jit
   def run(env):  # one compilation: op by op, each op compiled on its own
-    env = dict(env)
-    for node in small.nodes:
-      outs = node(*[env[k] for k in node.inputs])
-      env.update(zip(node.outputs, outs, strict=True))
+    env = small.run(env)
     return {key: env[key] for key in keys}
 
   base = run(inputs)
@@ -235,12 +239,9 @@ def summed_loss_gap(program) -> tuple[float, float] | None:
 
 def _summed_gap(program):
   one, two, _ = _at_two_sizes(program, 1)
-  avals_one, avals_two = {}, {}
-  for node_1, node_2 in zip(one.nodes, two.nodes, strict=True):
-    for key, a, b in zip(
-      node_1.inputs, node_1.input_avals(), node_2.input_avals(), strict=True
-    ):
-      avals_one[key], avals_two[key] = a, b
+  both_sizes = _avals(one, two)
+  avals_one = {key: a for key, (a, _) in both_sizes.items()}
+  shapes_two = {key: shape for key, (_, shape) in both_sizes.items()}
   rng = np.random.default_rng(0)
   shared, parts = {}, ({}, {})
   for key, aval in avals_one.items():
@@ -258,7 +259,7 @@ def _summed_gap(program):
         return None
   both = dict(shared)
   for key in parts[0]:
-    axis = _batch_axis(avals_one[key].shape, avals_two[key].shape)
+    axis = _batch_axis(avals_one[key].shape, shapes_two[key])
     if axis is None:
       both[key] = parts[0][key]  # read whole by both halves
       parts[1][key] = parts[0][key]
@@ -268,10 +269,7 @@ def _summed_gap(program):
   def loss(prog):
     @jax.jit
     def run(env):
-      env = {**env, **prog.consts}
-      for node in prog.nodes:
-        outs = node(*[env[k] for k in node.inputs])
-        env.update(zip(node.outputs, outs, strict=True))
+      env = prog.run({**env, **prog.consts})
       return sum(env[k].astype(jnp.float32) for k in prog.loss_keys)
 
     return run
@@ -282,23 +280,10 @@ def _summed_gap(program):
   # Computed in the model's own precision: a bfloat16 model rounds its sum
   # to about 2^-8 (a per-sample sum was refused at 140 against 139.5).
   tolerance = max(
-    [1e-4]
-    + [
-      _tolerance(aval.dtype, 1e-4)
-      for aval in [*avals_two.values(), *_loss_avals(two)]
-    ]
+    [1e-4] + [_tolerance(aval.dtype, 1e-4) for aval in avals_one.values()]
   )
   if not (np.isfinite(whole) and np.isfinite(summed)):
     return None  # the made-up inputs overflowed: nothing to compare
   if abs(whole - summed) <= tolerance * max(abs(whole), abs(summed), 1e-6):
     return None
   return whole, summed
-
-
-def _loss_avals(program):
-  return [
-    aval
-    for node in program.nodes
-    for key, aval in zip(node.outputs, node.output_avals(), strict=True)
-    if key in program.loss_keys
-  ]
