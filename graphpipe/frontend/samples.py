@@ -191,34 +191,163 @@ def _differs(a, b, tolerance):
   return far & ~nan
 
 
-def batch_shaped_draws(small, large) -> list[tuple[int, tuple]]:
-  """Nodes drawing batch-shaped random bits from batch-independent keys.
+# Primitives that draw or derive random keys and bits. A batch-shaped
+# result of one of them is each sample's own only if it is computed from
+# per-sample data: a batch-shaped operand that depends on the batch.
+_RANDOM_PRIMITIVES = frozenset(
+  {
+    "random_bits",
+    "random_split",
+    "random_fold_in",
+    "random_seed",
+    "threefry2x32",
+  }
+)
+# What a variable holds, as far as the walk can tell: nothing from the
+# batch; the same row for every sample (a batch-independent value
+# broadcast along the batch); or values computed from the batch.
+_FIXED, _UNIFORM, _BATCH = 0, 1, 2
+# Operations that keep every sample's row equal when their operands do.
+_ROW_WISE = _RANDOM_PRIMITIVES | {
+  "random_wrap",
+  "random_unwrap",
+  "convert_element_type",
+}
+
+
+def batch_shaped_draws(small, large) -> list[tuple[int, str, tuple]]:
+  """Random draws in the shape of the batch that are not per-sample.
+
+  A draw (random bits, a key split, a fold-in, keys seeded from numbers)
+  whose result has a batch axis is sound under micro-batching only if it
+  reads per-sample data, an operand with a batch axis computed from the
+  batch (keys or seeds carried in the batch, per-sample ids to fold in),
+  or gives every sample the same draw (a fixed key broadcast along the
+  batch). Otherwise every micro-batch draws from the same source in its
+  own shape, which is not its rows of the whole batch's draw:
+  `bernoulli(key(0), p, h.shape)`, `split(key(0), B)` handed out per
+  sample, `fold_in(key, arange(B))`, dropout given `nnx.Rngs(0)` inside
+  the loss.
 
   Args:
-    small, large: the same program at two batch sizes.
+    small, large: the same program at two batch sizes (a value or operand
+      "has a batch axis" where its shape differs between them).
 
   Returns:
-    (node index, the draw's shape at `small`) of each such draw.
+    (node index, primitive name, the result's shape at `small`) of each
+    such draw, nested jaxprs included.
   """
   found = []
-
-  def walk(node, a, b):
-    for ea, eb in zip(a.eqns, b.eqns, strict=True):
-      if ea.primitive.name == "random_bits":
-        key_a, key_b = ea.invars[0].aval.shape, eb.invars[0].aval.shape
-        out_a, out_b = ea.outvars[0].aval.shape, eb.outvars[0].aval.shape
-        if key_a == key_b and out_a != out_b:
-          found.append((node, out_a))
-      for sa, sb in zip(
-        jex.core.jaxprs_in_params(ea.params),
-        jex.core.jaxprs_in_params(eb.params),
-        strict=True,
-      ):
-        walk(node, getattr(sa, "jaxpr", sa), getattr(sb, "jaxpr", sb))
-
+  held = {}  # value key -> what it holds (_FIXED, _UNIFORM, _BATCH)
   for node, (na, nb) in enumerate(zip(small.nodes, large.nodes, strict=True)):
-    walk(node, na.jaxpr.jaxpr, nb.jaxpr.jaxpr)
+    inputs = [
+      _BATCH if key.startswith("batch:") else held.get(key, _FIXED)
+      for key in na.inputs
+    ]
+
+    def report(eqn, node=node):
+      found.append((node, eqn.primitive.name, tuple(eqn.outvars[0].aval.shape)))
+
+    outputs = _walk_draws(na.jaxpr.jaxpr, nb.jaxpr.jaxpr, inputs, report)
+    held.update(zip(na.outputs, outputs, strict=True))
   return found
+
+
+def _walk_draws(a, b, held_in, report) -> list[int]:
+  """Follows what each variable of jaxpr `a` holds (`b` is the same jaxpr
+  at another batch size; `held_in` for its inputs), reports the draws
+  that are not per-sample, and returns what each output holds."""
+  held = dict(zip(a.invars, held_in, strict=True))
+
+  def of(atom):
+    return held.get(atom, _FIXED) if _is_var(atom) else _FIXED
+
+  for ea, eb in zip(a.eqns, b.eqns, strict=True):
+    ins = [of(v) for v in ea.invars]
+    batched = [
+      _is_var(va) and va.aval.shape != vb.aval.shape
+      for va, vb in zip(ea.invars, eb.invars, strict=True)
+    ]
+    name = ea.primitive.name
+    if name in _RANDOM_PRIMITIVES and any(
+      va.aval.shape != vb.aval.shape
+      for va, vb in zip(ea.outvars, eb.outvars, strict=True)
+    ):
+      per_sample = any(
+        t == _BATCH and x for t, x in zip(ins, batched, strict=True)
+      )
+      same_rows = any(batched) and all(
+        t == _UNIFORM for t, x in zip(ins, batched, strict=True) if x
+      )
+      if not per_sample and not same_rows:
+        report(ea)
+    if name == "broadcast_in_dim" and ins[0] == _FIXED and not batched[0]:
+      outs = [
+        _UNIFORM if va.aval.shape != vb.aval.shape else _FIXED
+        for va, vb in zip(ea.outvars, eb.outvars, strict=True)
+      ]
+    elif name in _ROW_WISE:
+      outs = [max(ins, default=_FIXED)] * len(ea.outvars)
+    else:
+      outs = _nested(ea, eb, ins, report)
+    held.update(zip(ea.outvars, outs, strict=True))
+  return [of(v) for v in a.outvars]
+
+
+def _nested(ea, eb, ins, report) -> list[int]:
+  """What each output of equation `ea` holds, walking its nested jaxprs
+  (their draws are reported too). Calls, custom derivatives, remat and
+  scan pass their operands to their body in order; cond and while are
+  mapped by their layout. Otherwise (and for every operation without a
+  body) an output holds batch values where any operand does, else
+  nothing from the batch (a row-equal operand loses that mark)."""
+  subs_a, subs_b = (
+    [getattr(j, "jaxpr", j) for j in jex.core.jaxprs_in_params(e.params)]
+    for e in (ea, eb)
+  )
+  plain = _BATCH if _BATCH in ins else _FIXED
+  name, params = ea.primitive.name, ea.params
+  if not subs_a:
+    return [plain] * len(ea.outvars)
+  if name == "cond":
+    outs = [_BATCH if ins[0] == _BATCH else _FIXED] * len(ea.outvars)
+    for sa, sb in zip(subs_a, subs_b, strict=True):
+      got = _walk_draws(sa, sb, ins[1:], report)
+      outs = [max(x, y) for x, y in zip(outs, got, strict=True)]
+    return outs
+  if name == "while":
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts, body_consts = ins[:nc], ins[nc : nc + nb]
+    carry = ins[nc + nb :]
+    body_a, body_b = params["body_jaxpr"].jaxpr, eb.params["body_jaxpr"].jaxpr
+    cond_a, cond_b = params["cond_jaxpr"].jaxpr, eb.params["cond_jaxpr"].jaxpr
+    for _ in range(2):  # what the body puts in its carry, it held before
+      got = _walk_draws(body_a, body_b, body_consts + carry, lambda e: None)
+      carry = [max(x, y) for x, y in zip(carry, got, strict=True)]
+    _walk_draws(body_a, body_b, body_consts + carry, report)
+    _walk_draws(cond_a, cond_b, cond_consts + carry, report)
+    return carry
+  if len(subs_a) == 1 and len(subs_a[0].invars) == len(ins):
+    body_a, body_b = subs_a[0], subs_b[0]
+    if name == "scan":
+      first = params["num_consts"]
+      last = first + params["num_carry"]
+      for _ in range(2):
+        got = _walk_draws(body_a, body_b, ins, lambda e: None)
+        pairs = zip(ins[first:last], got[: last - first], strict=True)
+        carry = [max(x, y) for x, y in pairs]
+        ins = ins[:first] + carry + ins[last:]
+    outs = _walk_draws(body_a, body_b, ins, report)
+    if len(outs) == len(ea.outvars):
+      return outs
+    return [plain] * len(ea.outvars)
+  for sa, sb in zip(subs_a, subs_b, strict=True):
+    _walk_draws(sa, sb, [plain] * len(sa.invars), report)
+  return [plain] * len(ea.outvars)
+
+
+def _is_var(atom) -> bool:
+  return not isinstance(atom, jex.core.Literal)
 
 
 def summed_loss_gap(program) -> tuple[float, float] | None:

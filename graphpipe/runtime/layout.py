@@ -262,17 +262,21 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
     for s in plan.stages
   ):
     draws = [
-      f"node {graph.nodes[n].name!r} draws {shape}"
-      for n, shape in samples.batch_shaped_draws(base, large)
+      f"node {graph.nodes[n].name!r} draws {shape} ({primitive})"
+      for n, primitive, shape in dict.fromkeys(
+        samples.batch_shaped_draws(base, large)
+      )
     ]
     if draws:
       raise PipelineRuntimeError(
-        "the loss draws random numbers in the shape of the batch from a "
-        f"key that does not depend on it ({'; '.join(draws)}): every "
-        "micro-batch would draw its own from the same key, not its rows of "
-        "the whole batch's draw (e.g. bernoulli(key(0), p, h.shape), or "
-        "dropout given nnx.Rngs(0) inside the loss). Draw per sample from "
-        "keys in the batch, or run the model deterministically"
+        "the loss draws random numbers in the shape of the batch that are "
+        f"not each sample's own ({'; '.join(draws)}): every micro-batch "
+        "would draw its own from the same source, not its rows of the "
+        "whole batch's draw (e.g. bernoulli(key(0), p, h.shape), "
+        "split(key(0), B) handed out per sample, fold_in(key, arange(B)), "
+        "or dropout given nnx.Rngs(0) inside the loss). Draw per sample "
+        "from keys or ids carried in the batch, or run the model "
+        "deterministically"
       )
   key_avals = {}
   for node in base.nodes:

@@ -288,7 +288,10 @@ def test_values_that_interleave_samples_are_refused_where_chunks_change():
 def test_random_draws_in_the_batch_shape_from_a_fixed_key_are_refused():
   """bernoulli(key(0), p, h.shape) in a loss: each micro-batch drew its own
   mask from key 0, not its rows of the whole batch's (loss 33% off,
-  silently). Per-sample keys carried in the batch draw the same bits
+  silently); so did a fixed key split into one key per sample and one
+  folded with the sample's position (1.8% off, silently, before the check
+  followed where keys come from). Per-sample keys or ids carried in the
+  batch, and a fixed key broadcast to every sample, draw the same bits
   however the batch is cut, and train exactly."""
   import jax
   import jax.numpy as jnp
@@ -324,14 +327,46 @@ def test_random_draws_in_the_batch_shape_from_a_fixed_key_are_refused():
     keep = jax.vmap(draw)(b["seed"], h)
     return jnp.mean((jnp.where(keep, h, 0.0) - b["y"]) ** 2)
 
+  def masked(keys, h, b):
+    keep = jax.vmap(lambda k, row: jax.random.bernoulli(k, 0.5, row.shape))(
+      keys, h
+    )
+    return jnp.mean((jnp.where(keep, h, 0.0) - b["y"]) ** 2)
+
+  def split_key(m, b):  # one key per sample, split from a fixed key
+    h = m(b["x"])
+    return masked(jax.random.split(jax.random.key(0), h.shape[0]), h, b)
+
+  def folded_index(m, b):  # a fixed key folded with the sample's position
+    h = m(b["x"])
+    fold = lambda i: jax.random.fold_in(jax.random.key(0), i)
+    return masked(jax.vmap(fold)(jnp.arange(h.shape[0])), h, b)
+
+  def folded_seed(m, b):  # the same fold-in with ids carried in the batch
+    h = m(b["x"])
+    fold = lambda i: jax.random.fold_in(jax.random.key(0), i)
+    return masked(jax.vmap(fold)(b["seed"]), h, b)
+
+  def broadcast_key(m, b):  # every sample the same key: the same draw
+    h = m(b["x"])
+    return masked(jnp.broadcast_to(jax.random.key(0), h.shape[:1]), h, b)
+
   flight = in_flight_counts(2, ((0, 1),))
   stages = tuple(Stage(i, (i,), (i,), 4, flight[i]) for i in range(2))
   two_micro_batches = Plan("manual", stages, ((0, 1),), 8, 2)
   model = Net(nnx.Rngs(0))
-  graph = capture(fixed_key, model, batch)
-  with pytest.raises(GraphpipeError, match="node 'b' draws"):
-    Trainer(two_micro_batches, optax.sgd(0.1), graph=graph)
-  graph = capture(per_sample, model, batch)
-  trainer = Trainer(two_micro_batches, optax.sgd(0.1), graph=graph)
-  got = trainer.loss_and_grads(trainer.init(model), batch)[0]
-  assert got == pytest.approx(float(per_sample(model, batch)), rel=1e-5)
+  # split(key(0), B) and fold_in(key(0), arange(B)) were missed: each
+  # micro-batch handed its samples the first b keys (loss 2-30% off).
+  for loss, primitive in (
+    (fixed_key, "random_bits"),
+    (split_key, "random_split"),
+    (folded_index, "random_fold_in"),
+  ):
+    graph = capture(loss, model, batch)
+    with pytest.raises(GraphpipeError, match=f"node 'b' draws .*{primitive}"):
+      Trainer(two_micro_batches, optax.sgd(0.1), graph=graph)
+  for loss in (per_sample, folded_seed, broadcast_key):
+    graph = capture(loss, model, batch)
+    trainer = Trainer(two_micro_batches, optax.sgd(0.1), graph=graph)
+    got = trainer.loss_and_grads(trainer.init(model), batch)[0]
+    assert got == pytest.approx(float(loss(model, batch)), rel=1e-5)
