@@ -4,7 +4,11 @@ Linen wraps every module call in a named scope, so the equations of a linen
 model already carry their module path in `source_info.name_stack`. NNX does
 not. `nnx_module_scopes` wraps the `__call__` of every NNX module class found
 in a model in `jax.named_scope(MARK + path)` for the duration of a trace, and
-restores the classes afterwards, also when the trace fails.
+restores the classes afterwards, also when the trace fails. The traced
+copy's modules also carry their path as a static attribute: NNX's own
+transforms (`nnx.remat`, `nnx.jit`) merge new module objects from the
+graph definition, and the attribute comes with them where identity does
+not.
 
 `module_chain` reads a name stack back into the chain of module paths that
 were active, outermost first, for either framework.
@@ -21,6 +25,8 @@ from graphpipe.errors import CaptureError
 # Marks the scopes this module adds, so user scopes inside NNX modules are
 # not mistaken for module boundaries.
 MARK = "gp:"
+# The path attribute `nnx_module_scopes` sets on the modules it traces.
+_PATH_ATTRIBUTE = "_graphpipe_path"
 
 
 def path_to_str(path) -> str:
@@ -50,6 +56,11 @@ def nnx_module_scopes(model: nnx.Module):
   for path, module in nnx.iter_modules(model):
     if path:
       paths[id(module)] = MARK + path_to_str(path)
+      # NNX transforms (nnx.remat, nnx.jit, ...) split the modules they
+      # are given and merge new objects inside; a static attribute is part
+      # of the graph definition and survives that, where identity does
+      # not (every rematerialised block was one 'glue' node).
+      object.__setattr__(module, _PATH_ATTRIBUTE, paths[id(module)])
   classes = {}
   for _, module in nnx.iter_modules(model):
     klass = _defining_class(type(module))
@@ -59,7 +70,7 @@ def nnx_module_scopes(model: nnx.Module):
   def wrap(original):
     @functools.wraps(original)
     def call(self, *args, **kwargs):
-      name = paths.get(id(self))
+      name = paths.get(id(self), getattr(self, _PATH_ATTRIBUTE, None))
       if name is None:
         return original(self, *args, **kwargs)
       with jax.named_scope(name):

@@ -11,6 +11,7 @@ from flax import nnx
 
 import graphpipe
 from graphpipe.core.graph import OpGraph
+from graphpipe.core.stages import Plan, Stage, in_flight_counts
 from graphpipe.errors import CaptureError, GraphCutError, GraphpipeError
 
 
@@ -540,3 +541,59 @@ def test_nnx_remat_and_jit_inside_a_model_are_not_taken_for_mutation():
   )
   with pytest.raises(CaptureError, match="changed the model's variables"):
     graphpipe.capture(xent, counting, batch)
+
+
+def test_nnx_blocks_under_remat_and_jit_keep_their_names():
+  # nnx.remat and nnx.jit split the modules they are given and merge new
+  # objects inside, which the scopes (keyed by identity) did not know:
+  # a stack of rematerialised blocks was one 'input' node, with nothing
+  # to pipeline. The paths now travel in the graph definition.
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(6, 6, rngs=rngs)
+
+    def __call__(self, x):
+      return x + jnp.tanh(self.lin(x))
+
+  class Net(nnx.Module):
+    def __init__(self, wrap, rngs):
+      self.blocks = nnx.List([Block(rngs) for _ in range(3)])
+      self.head, self.wrap = nnx.Linear(6, 3, rngs=rngs), wrap
+
+    def __call__(self, x):
+      for block in self.blocks:
+        x = self.wrap(block, x)
+      return self.head(x)
+
+  batch = make_batch()
+  for wrap in (
+    lambda m, x: nnx.remat(lambda mm, v: mm(v))(m, x),
+    lambda m, x: nnx.jit(lambda mm, v: mm(v))(m, x),
+    lambda m, x: nnx.remat(Block.__call__)(m, x),
+  ):
+    model = Net(wrap, nnx.Rngs(0))
+    graph = graphpipe.capture(xent, model, batch)
+    names = [n.name for n in graph.nodes]
+    assert names == ["blocks.0", "blocks.1", "blocks.2", "head"]
+    assert not hasattr(model.blocks[0], "_graphpipe_path")  # user's model
+    stages = tuple(
+      Stage(i, (i,), (i,), 4, flight)
+      for i, flight in enumerate(in_flight_counts(4, CHAIN_4))
+    )
+    plan = Plan("manual", stages, CHAIN_4, len(batch["x"]), 4)
+    trainer = graphpipe.Trainer(plan, optax.sgd(0.1), graph=graph)
+    loss, grads = trainer.loss_and_grads(trainer.init(model), batch)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    want, want_grads = jax.value_and_grad(
+      lambda p, g=graphdef, r=rest: xent(nnx.merge(g, p, r), batch)
+    )(params)
+    assert loss == pytest.approx(float(want), rel=1e-5)
+    want_grads = graph.program.variable_values(
+      nnx.merge(graphdef, want_grads, rest)
+    )
+    for name, value in want_grads.items():
+      if name.startswith("param:"):
+        np.testing.assert_allclose(grads[name], value, rtol=1e-5, atol=1e-7)
+
+
+CHAIN_4 = ((0, 1), (1, 2), (2, 3))
