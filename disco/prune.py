@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from disco.errors import PruneError, require_int
-from disco.layers import CommMask, DiscoLayer
+from disco.layers import CommMask, DiscoLayer, require_concrete_masks
 
 SELECTIONS = ("magnitude", "random")
 BUDGETS = ("layer", "global")
@@ -86,6 +86,7 @@ def mask_groups(model: nnx.Module) -> list[MaskGroup]:
   Args:
     model: a model built from DISCO layers.
   """
+  require_concrete_masks(model, PruneError)
   groups = {}
   for _, module in nnx.iter_modules(model):
     if isinstance(module, DiscoLayer) and module.cross().any():
@@ -141,8 +142,9 @@ def to_ratio(
     seed: seed of the random scores.
 
   Raises:
-    PruneError: a ratio outside [0, 1], an unknown option, or a target that
-      would keep a group already dropped.
+    PruneError: a ratio outside [0, 1], an unknown option, a target that
+      would keep a group already dropped, or (magnitude selection) weights
+      that are not finite.
   """
   comm_ratio = check_ratio(comm_ratio)
   require_int("seed", seed, 0, PruneError)
@@ -301,6 +303,14 @@ def _scores(group: MaskGroup, index: int, selection: str, seed: int):
     # One fixed number per group, so a gradual schedule drops a fixed order.
     return np.random.default_rng([seed, index]).random(group.cross.shape)
   norms = group.column_norms(host=True)
+  if not np.all(np.isfinite(norms[group.cross])):
+    # NaN scores sorted below every other: the mask kept nothing, silently.
+    raise PruneError(
+      f"the weights read through mask group {index} (of "
+      f"{type(group.layers[0]).__name__} layers) hold NaN or inf: their "
+      "channel groups cannot be ranked by magnitude; check the training "
+      "(a learning rate too high, non-finite inputs) or the checkpoint"
+    )
   rms = np.sqrt(np.mean(np.square(norms[group.cross])))
   return norms / max(rms, 1e-12)
 

@@ -21,11 +21,19 @@ _ALLOWED = {
   ("numpy._core.multiarray", "scalar"),
   ("numpy._core.numeric", "_frombuffer"),
   ("_codecs", "encode"),
+  # Python 3 at protocol 2 writes b"" (and an empty array's buffer) as
+  # bytes() and a set as set([...]): plain data, rebuilt without code.
+  ("builtins", "bytes"),
+  ("builtins", "bytearray"),
+  ("builtins", "set"),
+  ("builtins", "frozenset"),
 }
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
   def find_class(self, module, name):
+    if module == "__builtin__":  # Python 2's name, kept by protocol 2
+      module = "builtins"
     if module.startswith("numpy.core"):
       module = "numpy._core" + module[len("numpy.core") :]
     if (module, name) not in _ALLOWED:

@@ -6,6 +6,7 @@ other assignment is the same network with its channels relabelled.
 """
 
 import dataclasses
+import numbers
 
 import numpy as np
 
@@ -86,6 +87,8 @@ def split_channels(
   Raises:
     PartitionError: fewer channels than nodes, or sizes that do not match.
   """
+  if isinstance(num_nodes, bool) or not isinstance(num_nodes, numbers.Integral):
+    raise PartitionError(f"num_nodes must be an int, got {num_nodes!r}")
   if num_nodes < 1:
     raise PartitionError(f"num_nodes must be at least 1, got {num_nodes}")
   if sizes is not None:

@@ -115,11 +115,11 @@ def fit(
       f"{len(images)} training images are fewer than one batch of "
       f"{config.batch_size}"
     )
-  if len(labels) != len(images):
-    raise DataError(f"{len(labels)} labels for {len(images)} images")
   loss_of = loss or classification_loss
   if loss_of is classification_loss:
-    _check_classes(model, np.asarray(labels))
+    _check_labels(model, images, np.asarray(labels))
+  elif len(labels) != len(images):
+    raise DataError(f"{len(labels)} labels for {len(images)} images")
   steps_per_epoch = config.steps_per_epoch(len(images))
   total = config.epochs * steps_per_epoch
   if schedule is not None and schedule.steps > total:
@@ -183,9 +183,18 @@ def fit(
   return losses
 
 
-def _check_classes(model, labels: np.ndarray) -> None:
-  """DataError unless `labels` are class indices of `model` (its
-  config's `num_classes`, where it has one)."""
+def _check_labels(model, images, labels: np.ndarray) -> None:
+  """DataError unless `labels` are one class index of `model` per image
+  (its config's `num_classes`, where it has one): a column of labels,
+  (n, 1), compared every prediction with every label (an accuracy of 1.0
+  where every prediction was wrong)."""
+  if labels.ndim != 1:
+    raise DataError(
+      f"labels must be one class index per image, shape ({len(images)},), "
+      f"got shape {labels.shape}"
+    )
+  if len(labels) != len(images):
+    raise DataError(f"{len(labels)} labels for {len(images)} images")
   if labels.dtype.kind not in "iu":
     raise DataError(
       f"labels must be integer class indices, got dtype {labels.dtype}"
@@ -220,6 +229,8 @@ def accuracy(
     labels: integer labels.
     batch_size: images per forward pass (the last batch is padded).
   """
+  labels = np.asarray(labels)
+  _check_labels(model, images, labels)
   model.eval()
   graphdef, state = nnx.split(model)
   correct = 0

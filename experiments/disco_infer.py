@@ -58,6 +58,7 @@ from disco.errors import (  # noqa: E402
   require_number,
 )
 from disco.models import architecture_of  # noqa: E402
+from experiments import disco_settings  # noqa: E402
 
 BANDWIDTHS_BITS = tuple(float(b) for b in np.logspace(8, 11, 31))
 
@@ -73,9 +74,12 @@ class Settings:
   Args:
     checkpoint: a folder written by experiments.disco_train.
     num_nodes: nodes to run on; must be the checkpoint's.
-    dataset: a classification dataset of `disco.data.TASKS` (as trained).
+    dataset: a classification dataset of `disco.data.TASKS`; None: the
+      one the checkpoint records (digits where it records none).
     data_dir: the CIFAR-10 python batch folder.
-    test_fraction: share of the digits held out (as trained).
+    test_fraction: share of digits / mnist held out; None: the one the
+      checkpoint records (the dataset's default where it records none).
+      Another than it was trained with would score training images.
     batch_size: images per distributed call.
     repeats: timed calls per latency figure (the median is reported).
     message_latency: latency model: seconds per message.
@@ -83,9 +87,9 @@ class Settings:
 
   checkpoint: str
   num_nodes: int = 2
-  dataset: str = "digits"
+  dataset: str | None = None
   data_dir: str = ""
-  test_fraction: float = 0.4
+  test_fraction: float | None = None
   batch_size: int = 64
   repeats: int = 30
   message_latency: float = 1e-4
@@ -105,12 +109,16 @@ def define_flags() -> None:
   flags.DEFINE_integer("num_nodes", defaults.num_nodes, "Nodes.", lower_bound=1)
   flags.DEFINE_enum(
     "dataset",
-    defaults.dataset,
+    None,
     list(data.TASKS["classify"]),
-    "Dataset the checkpoint was trained on.",
+    "Dataset the checkpoint was trained on (default: the one it records).",
   )
   flags.DEFINE_string("data_dir", defaults.data_dir, "CIFAR-10 folder.")
-  flags.DEFINE_float("test_fraction", defaults.test_fraction, "Held-out share.")
+  flags.DEFINE_float(
+    "test_fraction",
+    None,
+    "Held-out share (default: the one the checkpoint records).",
+  )
   flags.DEFINE_integer(
     "batch_size", defaults.batch_size, "Images per call.", lower_bound=1
   )
@@ -163,12 +171,15 @@ def run(settings: Settings, out: str) -> dict:
       f"nodes, not --num_nodes={settings.num_nodes}: pass "
       f"--num_nodes={config.num_nodes}"
     )
+  name, options = disco_settings.held_out_split(
+    settings.checkpoint, settings.dataset, settings.test_fraction
+  )
   dataset = data.load(
     "classify",
-    settings.dataset,
+    name,
     image_size=config.image_size,
-    test_fraction=settings.test_fraction,
     data_dir=settings.data_dir,
+    **options,
   )
   shape = (config.image_size, config.image_size, config.in_channels)
   if dataset.image_shape != shape:
@@ -183,7 +194,8 @@ def run(settings: Settings, out: str) -> dict:
   )
   os.makedirs(out, exist_ok=True)
   results = {
-    "config": dataclasses.asdict(settings),
+    # The split scored (the flags' None resolved from the checkpoint).
+    "config": {**dataclasses.asdict(settings), "dataset": name, **options},
     "definitions": _DEFINITIONS,
   }
   batch = settings.batch_size

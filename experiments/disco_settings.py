@@ -9,8 +9,8 @@ import dataclasses
 
 from absl import flags
 
-from disco import data, prune
-from disco.errors import DiscoError, require_int, require_number
+from disco import checkpoint, data, prune
+from disco.errors import DataError, DiscoError, require_int, require_number
 from experiments import common
 
 
@@ -146,6 +146,14 @@ class Settings:
           f"--{name} applies to {' and '.join(tasks_of)}, not {task} "
           "(it would be recorded and not used)"
         )
+    for name in given:
+      datasets_of = _DATASET_ONLY.get(name, (dataset,))
+      if dataset not in datasets_of:
+        # CIFAR-10 trained at 32x32 and recorded --image_size=16.
+        raise DiscoError(
+          f"--{name} applies to {' and '.join(datasets_of)}, not {dataset} "
+          "(it would be recorded and not used)"
+        )
     measured = TASK_SETTINGS.get((task, dataset), {})
     return cls(task=task, dataset=dataset, **{**measured, **given})
 
@@ -161,11 +169,31 @@ class Settings:
       name: value
       for name, value in dataclasses.asdict(self).items()
       if self.task in _ONLY_FOR.get(name, (self.task,))
+      and self.dataset in _DATASET_ONLY.get(name, (self.dataset,))
     }
+
+  def data_record(self) -> dict:
+    """The settings that choose the data and its held-out split, as the
+    checkpoints record them (`disco.checkpoint.data_settings`), so that
+    `experiments.disco_infer` scores the same held-out images.
+
+    Example:
+      >>> record = Settings(test_fraction=0.2).data_record()
+      >>> record["dataset"], record["test_fraction"], "scale" in record
+      ('digits', 0.2, False)
+    """
+    record = self.record()
+    names = ("task", "dataset", *data.OPTION_NAMES)
+    return {name: record[name] for name in names if name in record}
 
   def ratios(self) -> list[float]:
     """The sweep's ratios, checked."""
-    values = [float(v) for v in self.sweep.split(",") if v.strip()]
+    try:
+      values = [float(v) for v in self.sweep.split(",") if v.strip()]
+    except ValueError:
+      raise DiscoError(
+        f"sweep takes ratios separated by commas, got {self.sweep!r}"
+      ) from None
     for value in values:
       prune.check_ratio(value)
     return values
@@ -181,6 +209,16 @@ _ONLY_FOR = {
   "scale": ("superres",),
   "patches": ("superres",),
   "scenes": ("segment", "detect"),
+}
+
+
+# Settings only some datasets read: CIFAR-10 keeps its 32x32 images and
+# its own test batch (its image size and test fraction were recorded, and
+# not used); only it reads a folder.
+_DATASET_ONLY = {
+  "image_size": ("digits", "mnist", "synthetic"),
+  "test_fraction": ("digits", "mnist"),
+  "data_dir": ("cifar10",),
 }
 
 
@@ -232,6 +270,44 @@ TASK_SETTINGS = {
     tolerance=0.02,
   ),
 }
+
+
+def held_out_split(
+  folder: str, dataset: str | None, test_fraction: float | None
+) -> tuple[str, dict]:
+  """(dataset, `disco.data.load` options) of the held-out split the
+  checkpoint in `folder` was trained with (`Settings.data_record`).
+
+  `dataset` / `test_fraction` other than the recorded ones would score
+  images the model was trained on (half of digits' held-out images for
+  0.4 against 0.2), so they are refused; None takes the recorded one.
+  Without a record (older checkpoints): the arguments, else digits and
+  the dataset's default split, said in the log.
+
+  Raises:
+    DataError: an argument that differs from the record.
+  """
+  recorded = checkpoint.data_settings(folder) or {}
+  name = dataset or recorded.get("dataset", "digits")
+  given = {"dataset": dataset, "test_fraction": test_fraction}
+  for key, value in given.items():
+    if value is not None and key in recorded and recorded[key] != value:
+      raise DataError(
+        f"{folder} was trained with {key}={recorded[key]!r}; --{key}="
+        f"{value!r} would score images it was trained on: leave the flag "
+        "out to use the recorded one"
+      )
+  fraction = test_fraction or recorded.get("test_fraction")
+  if not recorded:
+    split = f"test_fraction {fraction}" if fraction else "its default split"
+    common.log(
+      f"{folder} records no data settings: scoring {name} with {split}; "
+      "pass the dataset and test fraction it was trained with"
+    )
+  options = {}
+  if fraction is not None and name in _DATASET_ONLY["test_fraction"]:
+    options["test_fraction"] = fraction
+  return name, options
 
 
 def define_flags() -> None:

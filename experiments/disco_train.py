@@ -105,7 +105,7 @@ def run(settings: Settings, out: str) -> dict:
       scores[name].append(experiment.evaluate(model))
       if name == "disco":
         folder = os.path.join(out, f"disco_seed{seed}")
-        checkpoint.save(model, folder)
+        checkpoint.save(model, folder, data=settings.data_record())
         checkpoints.append(folder)
         if first_disco is None:
           first_disco = model

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from disco import lowering
-from disco.errors import ConfigError
+from disco.errors import ConfigError, require_int
 from disco.layers import DiscoConv, DiscoDense, DiscoLayer
 from disco.ops import ONE_DEVICE, Ops
 
@@ -250,11 +250,14 @@ class ResNet(nnx.Module):
     rngs: random number streams.
 
   Raises:
-    ConfigError: an unknown block type, or stage sizes and widths of
-      different lengths.
+    ConfigError: an unknown block type, stage sizes and widths of
+      different lengths, or an image size, channel or class count under 1.
   """
 
   def __init__(self, config: ResNetConfig, *, rngs: nnx.Rngs):
+    for name in ("image_size", "in_channels", "num_classes"):
+      # An image of side 0 ran on as a model of 0x0 logits' inputs.
+      require_int(name, getattr(config, name), 1)
     if config.block not in BLOCKS:
       raise ConfigError(
         f"unknown block {config.block!r}: use one of {sorted(BLOCKS)}"

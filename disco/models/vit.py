@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from disco import lowering
-from disco.errors import ConfigError, InputError
+from disco.errors import ConfigError, InputError, require_int
 from disco.layers import DiscoConv, DiscoDense, DiscoLayer
 from disco.ops import ONE_DEVICE, Ops
 from disco.transformer import (
@@ -144,6 +144,8 @@ class ViT(nnx.Module):
   """
 
   def __init__(self, config: ViTConfig, *, rngs: nnx.Rngs):
+    for name in ("image_size", "in_channels", "num_classes"):
+      require_int(name, getattr(config, name), 1)
     if config.patch_size < 1:
       raise ConfigError(
         f"patch size must be at least 1, got {config.patch_size}"

@@ -84,6 +84,35 @@ def config_field(field, value):
   return edit
 
 
+def header_field(field, value):
+  def edit(raw):
+    header = json.loads(raw)
+    header[field] = value
+    return json.dumps(header).encode()
+
+  return edit
+
+
+def drop(field):
+  def edit(raw):
+    header = json.loads(raw)
+    del header[field]
+    return json.dumps(header).encode()
+
+  return edit
+
+
+def _with_nan(layer):
+  layer.kernel[...] = layer.kernel[...].at[0, 0].set(jnp.nan)
+  return layer
+
+
+def _abstract():
+  model = nnx.eval_shape(lambda: ResNet(ResNetConfig(), rngs=nnx.Rngs(0)))
+  model.eval()
+  return model
+
+
 def half(raw):
   return raw[: len(raw) // 2]
 
@@ -301,7 +330,32 @@ ROWS = [
     "digits-image-size-0",
     lambda c: data.digits(image_size=0),
     DataError,
-    "image_size >= 1",
+    "image_size must be an int >= 1",
+  ),
+  (
+    # mnist returned (4000, 0, 0, 1) images and disco_train trained on them.
+    "mnist-image-size-0",
+    lambda c: data.mnist(image_size=0),
+    DataError,
+    "image_size must be an int >= 1, got 0",
+  ),
+  (
+    "digits-fractional-image-size",  # a raw JAX TypeError
+    lambda c: data.digits(image_size=2.5),
+    DataError,
+    "image_size must be an int >= 1, got 2.5",
+  ),
+  (
+    "holdout-nan",  # a raw ValueError from round()
+    lambda c: data.holdout(data.synthetic(train=8, test=2), float("nan")),
+    DataError,
+    r"holdout takes a fraction in \(0, 1\), got nan",
+  ),
+  (
+    "cifar10-folder-none",  # a raw TypeError from os.path.join
+    lambda c: data.cifar10(None),
+    DataError,
+    "cifar10 takes a folder path, got None",
   ),
   (
     # An empty held-out split: disco_infer failed with "need at least one
@@ -321,13 +375,19 @@ ROWS = [
     "synthetic-zero-classes",
     lambda c: data.synthetic(num_classes=0),
     DataError,
-    "of at least 1",
+    "num_classes must be an int >= 1",
+  ),
+  (
+    "synthetic-fractional-image-size",  # a raw TypeError
+    lambda c: data.synthetic(image_size=4.5),
+    DataError,
+    "image_size must be an int >= 1, got 4.5",
   ),
   (
     "synthetic-zero-train",
     lambda c: data.synthetic(train=0),
     DataError,
-    "of at least 1",
+    "train must be an int >= 1",
   ),
   (
     "cifar10-missing-folder",
@@ -495,7 +555,33 @@ ROWS = [
     "node-mesh-zero-nodes",
     lambda c: distributed.node_mesh(0),
     DistributedError,
-    "at least 1",
+    "num_nodes must be an int >= 1, got 0",
+  ),
+  (
+    "node-mesh-fractional-nodes",  # a raw TypeError
+    lambda c: distributed.node_mesh(2.5),
+    DistributedError,
+    "num_nodes must be an int >= 1, got 2.5",
+  ),
+  (
+    "dense-fractional-nodes",  # a raw TypeError
+    lambda c: DiscoDense(8, 4, num_nodes=2.0, rngs=nnx.Rngs(0)),
+    PartitionError,
+    "num_nodes must be an int, got 2.0",
+  ),
+  (
+    "conv-kernel-a-string",  # a raw ValueError from int("a")
+    lambda c: DiscoConv(8, 4, "ab", num_nodes=2, rngs=nnx.Rngs(0)),
+    ConfigError,
+    r"kernel_size takes an int or \(height, width\), got 'ab'",
+  ),
+  (
+    "distributed-call-complex",  # the imaginary part was dropped
+    lambda c: distributed.distribute(c.model)(
+      np.ones((2, 16, 16, 1), np.complex64)
+    ),
+    DistributedError,
+    "images must be real numbers, got complex64",
   ),
   (
     "node-mesh-more-nodes-than-devices",
@@ -515,7 +601,7 @@ ROWS = [
     "distributed-call-strings",
     lambda c: distributed.distribute(c.model)(np.full((2, 16, 16, 1), "a")),
     DistributedError,
-    "images must be numbers, got <U1",
+    "images must be real numbers, got <U1",
   ),
   (
     # A raw "incompatible shapes for broadcasting" (larger image), or a
@@ -544,6 +630,123 @@ ROWS = [
     lambda c: metrics.LatencyModel(1e9, 1e6, -1.0),
     MetricsError,
     "message_latency must be a finite number >= 0",
+  ),
+  # Found by probing on 2026-12-03.
+  (
+    # numpy compared every prediction with every label: accuracy 1.0
+    # where every prediction was wrong, above 1 with several.
+    "accuracy-labels-as-a-column",
+    lambda c: train.accuracy(
+      c.model, np.zeros((6, 16, 16, 1), np.float32), np.zeros((6, 1), int)
+    ),
+    DataError,
+    r"one class index per image, shape \(6,\), got shape \(6, 1\)",
+  ),
+  (
+    "accuracy-more-labels-than-images",
+    lambda c: train.accuracy(
+      c.model, np.zeros((6, 16, 16, 1), np.float32), np.zeros(12, int)
+    ),
+    DataError,
+    "12 labels for 6 images",
+  ),
+  (
+    # The NaN scores sorted below the node's own bits: every group of the
+    # mask was dropped (comm ratio 0 for 0.5 asked), silently.
+    "prune-nan-weights",
+    lambda c: prune.to_ratio(_with_nan(dense()), 0.5),
+    PruneError,
+    "hold NaN or inf",
+  ),
+  (
+    # 'ShapeDtypeStruct' object is not subscriptable, from inside flax.
+    "metrics-abstract-masks",
+    lambda c: metrics.count(_abstract()),
+    MetricsError,
+    r"have shapes but no values .*with_masks\(model, True\)",
+  ),
+  (
+    "prune-abstract-masks",
+    lambda c: prune.comm_ratio(_abstract()),
+    PruneError,
+    "have shapes but no values",
+  ),
+  (
+    "distribute-abstract-model",
+    lambda c: distributed.distribute(metrics.with_masks(_abstract(), True)),
+    DistributedError,
+    "built abstractly",
+  ),
+  (
+    "metrics-negative-itemsize",  # -34964 bytes sent before
+    lambda c: metrics.count(c.model, itemsize=-4),
+    MetricsError,
+    "itemsize must be an int >= 1, got -4",
+  ),
+  (
+    "metrics-with-masks-not-a-model",  # a raw IndexError
+    lambda c: metrics.with_masks(3, True),
+    MetricsError,
+    "expected a model built from DISCO layers, got int",
+  ),
+  (
+    # Built, counted and distributed a model of 0x0 images.
+    "resnet-image-size-0",
+    lambda c: ResNet(ResNetConfig(image_size=0), rngs=nnx.Rngs(0)),
+    ConfigError,
+    "image_size must be an int >= 1, got 0",
+  ),
+  (
+    "resnet-no-input-channels",  # ZeroDivisionError in flax's initialiser
+    lambda c: ResNet(ResNetConfig(in_channels=0), rngs=nnx.Rngs(0)),
+    ConfigError,
+    "in_channels must be an int >= 1, got 0",
+  ),
+  (
+    "vit-image-size-0",
+    lambda c: ViT(ViTConfig(image_size=0), rngs=nnx.Rngs(0)),
+    ConfigError,
+    "image_size must be an int >= 1, got 0",
+  ),
+  (
+    "checkpoint-edited-config-removed",  # a raw KeyError
+    lambda c: checkpoint.load(c.copy("c8", edit_config=drop("config"))),
+    CheckpointError,
+    "the recorded config does not match ResNetConfig",
+  ),
+  (
+    "checkpoint-edited-architecture-list",  # unhashable type: 'list'
+    lambda c: checkpoint.load(
+      c.copy("c9", edit_config=header_field("architecture", ["resnet"]))
+    ),
+    CheckpointError,
+    r"unknown architecture \['resnet'\]",
+  ),
+  (
+    # "has format version 1; this code reads version 1"
+    "checkpoint-edited-version-string",
+    lambda c: checkpoint.load(
+      c.copy("c10", edit_config=header_field("version", "1"))
+    ),
+    CheckpointError,
+    "has format version '1'; this code reads version 1",
+  ),
+  (
+    # A model of 0x0 images loaded silently.
+    "checkpoint-edited-image-size-0",
+    lambda c: checkpoint.load(
+      c.copy("c11", edit_config=config_field("image_size", 0))
+    ),
+    CheckpointError,
+    r"does not build a resnet \(image_size must be an int >= 1, got 0\)",
+  ),
+  (
+    "checkpoint-data-settings-not-an-object",
+    lambda c: checkpoint.data_settings(
+      c.copy("c12", edit_config=header_field("data", [1]))
+    ),
+    CheckpointError,
+    "the recorded data settings are not an object",
   ),
   (
     "distributed-call-wrong-shape",

@@ -206,6 +206,24 @@ def test_experiment_refuses_a_checkpoint_that_does_not_match(tmp_path):
   checkpoint.save(DeepLab(seg, rngs=nnx.Rngs(0)), str(tmp_path / "seg"))
   with pytest.raises(DiscoError, match="holds a deeplab; disco_infer"):
     disco_infer.run(disco_infer.Settings(str(tmp_path / "seg")), "unused")
+  # A split other than the recorded one scored training images (half of
+  # a 0.4 digits split was a 0.2 run's training images); without the
+  # flags the recorded one is used.
+  checkpoint.save(
+    model,
+    str(tmp_path / "rec"),
+    data={"dataset": "mnist", "test_fraction": 0.2},
+  )
+  for given, message in [
+    ({"test_fraction": 0.4}, "trained with test_fraction=0.2; --test_frac"),
+    ({"dataset": "digits"}, "trained with dataset='mnist'"),
+  ]:
+    settings = disco_infer.Settings(str(tmp_path / "rec"), **given)
+    with pytest.raises(DiscoError, match=message):
+      disco_infer.run(settings, "unused")
+  settings = importlib.import_module("experiments.disco_settings")
+  split = settings.held_out_split(str(tmp_path / "rec"), None, None)
+  assert split == ("mnist", {"test_fraction": 0.2})
   (tmp_path / "ckpt" / "arrays.npz").write_bytes(b"not an archive")
   with pytest.raises(DiscoError, match="unreadable arrays"):
     disco_infer.run(disco_infer.Settings(str(tmp_path / "ckpt")), "unused")

@@ -135,6 +135,12 @@ def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
   assert ratio <= 0.35
   model = checkpoint.load(results["checkpoints"][0], expect="resnet")
   assert prune.comm_ratio(model) <= 0.2
+  # The data it was trained on, for disco_infer to score the same split.
+  assert checkpoint.data_settings(results["checkpoints"][0]) == {
+    "task": "classify",
+    "dataset": "synthetic",
+    "image_size": 16,
+  }
   # Every mask at the requested ratio (the layer budget's floor).
   for group in prune.mask_groups(model):
     want = math.floor(settings.comm_ratio * int(group.cross.sum()) + 1e-9)
@@ -187,6 +193,7 @@ def test_experiment_refuses_a_ratio_outside_0_1(tmp_path):
     ({"learning_rates": "abc"}, "learning_rates takes numbers"),
     ({"learning_rates": "0.1,0"}, "each of learning_rates must be .* > 0"),
     ({"sweep": "0.1,2"}, "communication ratio must be in"),
+    ({"sweep": "0.1,x"}, "sweep takes ratios separated by commas"),  # raw
   ],
 )
 def test_settings_out_of_range_are_refused_before_a_run(given, message):
@@ -254,3 +261,11 @@ def test_flags_left_out_take_the_tasks_measured_settings(tmp_path):
   record = disco_train.Settings.for_task("detect").record()
   assert record["scenes"] == 2000 and "scale" not in record
   assert "model" not in record and "image_size" not in record
+  # CIFAR-10 keeps its 32x32 images and its own test batch: results.json
+  # recorded image_size 16 and test_fraction 0.4, neither used.
+  with pytest.raises(DiscoError, match="--image_size applies to digits"):
+    disco_train.Settings.for_task("classify", "cifar10", image_size=16)
+  record = disco_train.Settings.for_task("classify", "cifar10").record()
+  assert "image_size" not in record and "test_fraction" not in record
+  assert "data_dir" in record
+  assert "data_dir" not in disco_train.Settings().record()
