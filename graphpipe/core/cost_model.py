@@ -32,3 +32,25 @@ class CostModel(Protocol):
   def optimizer_time(self, param_bytes: float) -> float:
     """Time of the optimizer update of `param_bytes` of parameters."""
     ...
+
+
+_MEMBERS = (
+  "memory_bytes",
+  "node_time",
+  "transfer_time",
+  "allreduce_time",
+  "optimizer_time",
+)
+
+
+def check_cost_model(cost_model, error) -> None:
+  """Raises `error` unless `cost_model` has the members of `CostModel`
+  (a preset's name given where a model is expected failed later with an
+  AttributeError from inside the planner or the simulator)."""
+  missing = [m for m in _MEMBERS if not hasattr(cost_model, m)]
+  if missing:
+    raise error(
+      f"cost_model must be a cost model (e.g. graphpipe.costs."
+      f"AnalyticCostModel(device_spec('v100'))), got {cost_model!r} "
+      f"without {', '.join(missing)}; a preset's name goes to device="
+    )

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import KINDS
 from graphpipe.errors import PlanError
 
@@ -24,6 +25,11 @@ def check_arguments(
   memory_kinds=KINDS,
   piper_budget=1,
 ) -> None:
+  if not isinstance(graph, OpGraph):
+    raise PlanError(
+      f"plan takes an OpGraph (graphpipe.capture or OpGraph.load), got "
+      f"{type(graph).__name__}"
+    )
   if planner not in PLANNERS:
     raise PlanError(
       f"unknown planner {planner!r}; choose one of {', '.join(PLANNERS)}"
@@ -83,12 +89,19 @@ def searched_sizes(
 ) -> list[int]:
   if requested is None:
     return [b for b in (2**i for i in range(31)) if batch_size % b == 0]
-  sizes = sorted({int(b) for b in requested if b >= 1 and batch_size % b == 0})
-  if not sizes:
+  if isinstance(requested, str) or not isinstance(requested, Sequence):
+    raise PlanError(
+      f"micro_batch_sizes takes a list of sizes, got {requested!r}"
+    )
+  # Entries that could not be used were dropped silently ([3, 4] for a
+  # batch of 8 searched 4 alone; [True] searched 1; [2.5, 4] searched 4).
+  wrong = [b for b in requested if not _count(b) or batch_size % b]
+  if wrong or not requested:
     divisors = [b for b in range(1, batch_size + 1) if batch_size % b == 0]
     raise PlanError(
-      f"batch size {batch_size} is not divisible by any micro-batch size in "
-      f"{list(requested)}: use sizes among its divisors {divisors[:12]}"
+      f"batch size {batch_size} is not divisible by the micro-batch sizes "
+      f"{wrong or list(requested)} of {list(requested)}: use positive ints "
+      f"among its divisors {divisors[:12]}"
       + ("..." if len(divisors) > 12 else "")
     )
-  return sizes
+  return sorted({int(b) for b in requested})

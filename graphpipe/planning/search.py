@@ -37,7 +37,7 @@ import math
 import time
 from collections.abc import Sequence
 
-from graphpipe.core.cost_model import CostModel
+from graphpipe.core.cost_model import CostModel, check_cost_model
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import KINDS, plan_memory
 from graphpipe.core.stages import Plan
@@ -145,6 +145,7 @@ def plan(
   device_name = recorded_name(device)
   if cost_model is None:
     cost_model = AnalyticCostModel(spec_of(device))
+  check_cost_model(cost_model, PlanError)
   if memory_bytes is None:
     memory_bytes = cost_model.memory_bytes
   check_memory_bytes(memory_bytes)

@@ -11,6 +11,7 @@ from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.costs import AnalyticCostModel, DeviceSpec, ProfiledCostModel
 from graphpipe.costs.analytic import spec_of
+from graphpipe.errors import PlanError
 from graphpipe.planning.search import plan
 from graphpipe.schedules.builders import schedule_for
 from graphpipe.schedules.grid import Schedule
@@ -49,8 +50,15 @@ def plan_and_simulate(
       memory and the optimizer. Meaningful when the preset describes the
       device at hand (e.g. 'cpu' here, 'h200' on an H200).
     **plan_options: more options of `graphpipe.plan` (e.g.
-      `padding_tolerance`, `per_stage_micro_batches`).
+      `padding_tolerance`, `per_stage_micro_batches`), not `cost_model`.
   """
+  if "cost_model" in plan_options:
+    # plan() was handed it twice (a raw TypeError).
+    raise PlanError(
+      "plan_and_simulate builds its cost model from device= and "
+      "profiled=; to plan with a cost model of your own, call "
+      "graphpipe.plan(..., cost_model=) and graphpipe.simulate"
+    )
   cost_model = AnalyticCostModel(spec_of(device))
   if profiled:
     cost_model = ProfiledCostModel(graph, cost_model)

@@ -15,6 +15,7 @@ from graphpipe.core.memory import KINDS, SHAPE_KINDS, plan_memory
 from graphpipe.core.stages import Plan
 from graphpipe.costs import AnalyticCostModel, DeviceSpec
 from graphpipe.costs.analytic import spec_of
+from graphpipe.errors import PlanError
 from graphpipe.planning.arguments import check_arguments, searched_sizes
 from graphpipe.planning.engine import fits, unlimited_plan
 from graphpipe.planning.piper import PIPER_BUDGET
@@ -62,6 +63,9 @@ def tightest_plan(
   check_arguments(
     graph, num_devices, batch_size, planner, 0.0, None, KINDS, piper_budget
   )
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    # 0 or fewer bisection steps returned the unconstrained plan.
+    raise PlanError(f"steps must be an int >= 1, got {steps!r}")
   num_devices, batch_size = int(num_devices), int(batch_size)
   kwargs = {"planner": planner, "device": device, "piper_budget": piper_budget}
   # Feasibility as `plan` decides it, without building its error message.

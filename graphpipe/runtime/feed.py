@@ -59,7 +59,12 @@ def put(
   mesh's devices (any sharding) are packed there by `packer`
   (`device_packer`)."""
   if isinstance(batch, FedBatch):
-    if batch.feeds != tuple(feeds) or batch.words.shape[1] != num_words:
+    if (
+      batch.feeds != tuple(feeds)
+      or batch.words.shape[1] != num_words
+      # A batch put on another mesh failed inside jit (incompatible devices).
+      or batch.words.sharding.device_set != set(sharding.mesh.devices.flat)
+    ):
       raise PipelineRuntimeError(
         "this batch was put for another step's devices and stages: put "
         "it with this trainer's put_batch"

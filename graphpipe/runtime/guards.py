@@ -83,6 +83,67 @@ def default_mesh(num_devices: int, axis: str) -> Mesh:
   return Mesh(np.asarray(devices[:num_devices]), (axis,))
 
 
+def trainer_inputs(plan, optimizer, graph, mesh, axis: str):
+  """(graph, mesh) a Trainer runs `plan` with, after checking them: the
+  plan's captured graph (a graph loaded from JSON has no program), an optax
+  transformation, and a mesh of distinct devices (a 1-D mesh over the
+  plan's devices; default the first devices JAX sees)."""
+  if not isinstance(plan, Plan):
+    raise PipelineRuntimeError(
+      f"the trainer takes a Plan (graphpipe.plan), got {type(plan).__name__}"
+    )
+  if not all(hasattr(optimizer, a) for a in ("init", "update")):
+    raise PipelineRuntimeError(
+      f"optimizer must be an optax GradientTransformation (e.g. "
+      f"optax.adam(1e-3)), got {optimizer!r}"
+    )
+  graph = captured_graph(plan, graph, "the trainer", "Trainer(plan, optimizer")
+  if mesh is None:
+    mesh = default_mesh(plan.num_devices, axis)
+  if not isinstance(mesh, Mesh):
+    raise PipelineRuntimeError(
+      f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__} (for a "
+      "list of devices: Mesh(np.asarray(devices), ('pipe',)))"
+    )
+  devices = list(np.asarray(mesh.devices).reshape(-1))
+  if len(set(devices)) != len(devices):
+    raise PipelineRuntimeError(
+      "the mesh names a device more than once: every device runs its own "
+      "part of the plan"
+    )
+  if len(devices) < plan.num_devices:
+    raise PipelineRuntimeError(
+      f"the plan uses {plan.num_devices} devices but the mesh has "
+      f"{len(devices)}"
+    )
+  if len(devices) != plan.num_devices or mesh.axis_names != (axis,):
+    mesh = Mesh(np.asarray(devices[: plan.num_devices]), (axis,))
+  return graph, mesh
+
+
+def captured_graph(plan, graph, who: str, call: str) -> OpGraph:
+  """`graph` (or the plan's own), checked: captured, not loaded from JSON
+  (no program to run), and the one the plan was made for."""
+  graph = graph if graph is not None else getattr(plan, "graph", None)
+  if graph is not None and not isinstance(graph, OpGraph):
+    raise PipelineRuntimeError(
+      f"graph must be an OpGraph, got {type(graph).__name__}"
+    )
+  if graph is None or graph.program is None:
+    loaded = graph is not None
+    raise PipelineRuntimeError(
+      f"{who} needs the captured graph the plan was made for"
+      + (
+        " (this one has no program: a graph loaded from JSON holds costs only)"
+        if loaded
+        else ""
+      )
+      + f": {call}, graph=graphpipe.capture(...))"
+    )
+  check_fingerprint(plan, graph)
+  return graph
+
+
 def check_fingerprint(plan: Plan, graph: OpGraph) -> None:
   """Refuses a plan made for another graph."""
   from graphpipe.core.fingerprint import made_for
@@ -94,7 +155,7 @@ def check_fingerprint(plan: Plan, graph: OpGraph) -> None:
     )
 
 
-def check_state(state, expected) -> None:
+def check_state(state, expected, mesh: Mesh | None = None) -> None:
   """Refuses what is not a live state of this trainer: not a TrainState,
   a state whose buffers an earlier step consumed (stepping one crashed the
   process), or one of another plan or optimizer (its arrays differ from
@@ -118,4 +179,12 @@ def check_state(state, expected) -> None:
     raise PipelineRuntimeError(
       "this state is not one of this trainer's (its arrays differ from "
       "what this plan and optimizer hold): a state of another Trainer?"
+    )
+  placed = {d for x in leaves for d in x.sharding.device_set}
+  if mesh is not None and not placed <= set(mesh.devices.flat):
+    # It failed inside jit with "Received incompatible devices".
+    raise PipelineRuntimeError(
+      "this state lives on other devices than this trainer's mesh: a "
+      "state of a trainer on another mesh? (trainer.params(state) and "
+      "state_from_values move values between trainers)"
     )

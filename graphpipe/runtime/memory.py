@@ -34,7 +34,7 @@ from graphpipe.core.memory import (
 from graphpipe.core.stages import Plan
 from graphpipe.errors import PipelineRuntimeError
 from graphpipe.runtime.buffers import Buffers
-from graphpipe.runtime.guards import check_fingerprint
+from graphpipe.runtime.guards import captured_graph
 from graphpipe.runtime.layout import Layout, build_layout
 from graphpipe.runtime.step import StepBuilder
 from graphpipe.schedules.builders import schedule_for
@@ -60,13 +60,18 @@ def memory_report(
     schedule: as for `graphpipe.Trainer` (default the plan's).
     recompute: as for `graphpipe.Trainer`.
   """
-  graph = graph if graph is not None else getattr(plan, "graph", None)
-  if graph is None or graph.program is None:
+  if not isinstance(plan, Plan):
     raise PipelineRuntimeError(
-      "the memory report needs the captured graph of the plan: "
-      "memory_report(plan, graphpipe.capture(...), optimizer)"
+      f"memory_report takes a Plan, got {type(plan).__name__}"
     )
-  check_fingerprint(plan, graph)
+  graph = captured_graph(plan, graph, "the memory report", "memory_report(plan")
+  if optimizer is not None and not all(
+    hasattr(optimizer, a) for a in ("init", "update")
+  ):
+    raise PipelineRuntimeError(
+      f"optimizer must be an optax GradientTransformation (e.g. "
+      f"optax.adam(1e-3)), got {optimizer!r}"
+    )
   if schedule is None or isinstance(schedule, str):
     schedule = schedule_for(plan, schedule)
   check_schedule(schedule)

@@ -117,18 +117,7 @@ class Trainer:
     loss_reduction: str = "mean",
     stop_on_nan: bool = False,
   ):
-    if not all(hasattr(optimizer, a) for a in ("init", "update")):
-      raise PipelineRuntimeError(
-        f"optimizer must be an optax GradientTransformation (e.g. "
-        f"optax.adam(1e-3)), got {optimizer!r}"
-      )
-    graph = graph if graph is not None else getattr(plan, "graph", None)
-    if graph is None or graph.program is None:
-      raise PipelineRuntimeError(
-        "the trainer needs the captured graph the plan was made for: "
-        "Trainer(plan, optimizer, graph=graphpipe.capture(...))"
-      )
-    guards.check_fingerprint(plan, graph)
+    graph, mesh = guards.trainer_inputs(plan, optimizer, graph, mesh, AXIS)
     self.plan, self.graph, self.optimizer = plan, graph, optimizer
     self.stop_on_nan = stop_on_nan
     if schedule is None or isinstance(schedule, str):
@@ -139,21 +128,7 @@ class Trainer:
         "the schedule was built for another plan (stages, devices, edges "
         "or micro-batch counts differ): build it with schedule_for(plan)"
       )
-    self.schedule = schedule
-    self.mesh = (
-      mesh if mesh is not None else guards.default_mesh(plan.num_devices, AXIS)
-    )
-    if self.mesh.devices.size < plan.num_devices:
-      raise PipelineRuntimeError(
-        f"the plan uses {plan.num_devices} devices but the mesh has "
-        f"{self.mesh.devices.size}"
-      )
-    if self.mesh.devices.size != plan.num_devices or self.mesh.axis_names != (
-      AXIS,
-    ):
-      self.mesh = Mesh(
-        np.asarray(self.mesh.devices).reshape(-1)[: plan.num_devices], (AXIS,)
-      )
+    self.schedule, self.mesh = schedule, mesh
     self.layout = build_layout(graph, plan, schedule)
     self.builder = StepBuilder(
       self.layout,
@@ -229,8 +204,20 @@ class Trainer:
         "init takes the NNX model (or linen variables dict) the graph was "
         f"captured from, got {type(model_or_variables).__name__}"
       )
-    values = self.graph.program.variable_values(model_or_variables)
-    return self.state_from_values(values)
+    return self.state_from_values(self._values_of(model_or_variables))
+
+  def _values_of(self, model_or_variables) -> dict:
+    """The variables of a model (or linen dict) of the captured structure
+    and shapes, by key; PipelineRuntimeError otherwise."""
+    try:
+      values = self.graph.program.variable_values(model_or_variables)
+    except (ValueError, KeyError, TypeError) as err:  # flax: no such path
+      raise PipelineRuntimeError(
+        f"this model is not the captured one (its variables differ: {err})"
+      ) from None
+    keys = self.graph.program.input_keys
+    guards.check_values(values, self.layout.param_shapes, keys)
+    return values
 
   def state_from_values(self, values: dict, step: int = 0) -> TrainState:
     """A state from parameter / state values by key ('param:a.b.kernel')."""
@@ -255,7 +242,7 @@ class Trainer:
     optimizer state, step count); with `stop_on_nan` it raises
     `PipelineRuntimeError` instead, the unchanged state in its `.state`.
     """
-    guards.check_state(state, self._expected_state)
+    guards.check_state(state, self._expected_state, self.mesh)
     batch = self.put_batch(batch).words
     die_at = faults.armed("step")
     if die_at is not None and die_at == int(_first_shard(state.step)):
@@ -276,7 +263,7 @@ class Trainer:
 
   def loss_and_grads(self, state: TrainState, batch) -> tuple[float, dict]:
     """The pipelined loss and gradients by 'param:' key (no update)."""
-    guards.check_state(state, self._expected_state)
+    guards.check_state(state, self._expected_state, self.mesh)
     # The step consumes its state; it gets a copy, so `state` stays usable.
     state = jax.tree.map(jnp.copy, state)
     _, metrics, grads = self._step(state, self.put_batch(batch).words)
@@ -284,7 +271,7 @@ class Trainer:
 
   def params(self, state: TrainState) -> dict:
     """Current parameters by 'param:' key, gathered to the host."""
-    guards.check_state(state, self._expected_state)
+    guards.check_state(state, self._expected_state, self.mesh)
     return self._gather(state.params)
 
   def update_model(self, model, state: TrainState):
@@ -294,6 +281,8 @@ class Trainer:
         f"update_model takes the NNX model, got {type(model).__name__} (for "
         "linen: trainer.variables(state, variables))"
       )
+    # A model of another config took the trained shapes silently.
+    self._values_of(model)
     nnx.update(model, self._trained(state, model))
     return model
 
@@ -323,7 +312,7 @@ class Trainer:
     (`graphpipe.runtime.checkpoints`): a crash midway leaves a folder
     that `restore` refuses and `checkpoints.latest` skips.
     """
-    guards.check_state(state, self._expected_state)
+    guards.check_state(state, self._expected_state, self.mesh)
     checkpoints.save(self, state, directory)
 
   def restore(self, directory: str) -> TrainState:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from graphpipe.core.cost_model import CostModel
+from graphpipe.core.cost_model import CostModel, check_cost_model
 from graphpipe.core.fingerprint import made_for
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import plan_memory
@@ -242,6 +242,9 @@ def simulate(
     cost_model = plan.cost_model
     if cost_model is None:
       cost_model = _preset_model(plan.device or "v100")
+  check_cost_model(cost_model, SimulationError)
+  if not isinstance(lockstep, bool):
+    raise SimulationError(f"lockstep must be True or False, got {lockstep!r}")
   if schedule is None:
     schedule = schedule_for(plan)
   else:

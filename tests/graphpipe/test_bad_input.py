@@ -463,8 +463,66 @@ ROWS = [
         lambda c: graphpipe.tightest_plan(c.graph, 2, 16, piper_budget=0),
         "piper_budget must be an int >= 1",
       ),
+      # Found by probing on 2026-12-03.
+      (
+        "tightest-steps-0",  # returned the unconstrained plan
+        lambda c: graphpipe.tightest_plan(c.graph, 2, 16, steps=0),
+        "steps must be an int >= 1, got 0",
+      ),
+      (
+        "graph-none",  # a raw AttributeError
+        lambda c: graphpipe.plan(None, 2, 16),
+        "plan takes an OpGraph",
+      ),
+      (
+        "micro-batch-an-int",  # 'int' object is not iterable
+        lambda c: graphpipe.plan(c.graph, 2, 16, micro_batch_sizes=4),
+        "micro_batch_sizes takes a list of sizes, got 4",
+      ),
+      (
+        "micro-batch-one-not-dividing",  # 3 dropped silently, 4 searched
+        lambda c: graphpipe.plan(c.graph, 2, 16, micro_batch_sizes=[3, 4]),
+        r"not divisible by the micro-batch sizes \[3\] of \[3, 4\]",
+      ),
+      (
+        "micro-batch-fractional",  # 2.5 dropped silently
+        lambda c: graphpipe.plan(c.graph, 2, 16, micro_batch_sizes=[2.5, 4]),
+        r"sizes \[2.5\] of",
+      ),
+      (
+        "micro-batch-bool",  # True searched as size 1
+        lambda c: graphpipe.plan(c.graph, 2, 16, micro_batch_sizes=[True]),
+        r"sizes \[True\] of",
+      ),
+      (
+        "cost-model-a-name",  # a raw AttributeError (memory_bytes)
+        lambda c: graphpipe.plan(c.graph, 2, 16, cost_model="v100"),
+        "cost_model must be a cost model .* without memory_bytes",
+      ),
+      (
+        "plan-and-simulate-cost-model",  # got multiple values (TypeError)
+        lambda c: graphpipe.plan_and_simulate(
+          c.graph,
+          num_devices=2,
+          batch_size=16,
+          cost_model=AnalyticCostModel(device_spec("v100")),
+        ),
+        "builds its cost model from device= and profiled=",
+      ),
     ]
   ],
+  (
+    "simulate-cost-model-a-name",  # a raw AttributeError (node_time)
+    lambda c: graphpipe.simulate(c.plan, c.graph, "v100"),
+    SimulationError,
+    "cost_model must be a cost model",
+  ),
+  (
+    "simulate-lockstep-a-string",  # taken as True
+    lambda c: graphpipe.simulate(c.plan, c.graph, lockstep="yes"),
+    SimulationError,
+    "lockstep must be True or False, got 'yes'",
+  ),
   (
     "plan-device-unknown",
     lambda c: graphpipe.plan(c.graph, 2, 16, device="tpu9"),

@@ -7,10 +7,12 @@ corrupted checkpoint bytes (the other entry points: `test_bad_input.py`).
 import glob
 import os
 
+import jax
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import Mesh
 
 import graphpipe
 from graphpipe import OpGraph
@@ -47,6 +49,17 @@ def _consumed(c):
   state = c.state()
   c.trainer.step(state, BATCH)
   return state
+
+
+def _other_trainer(c):
+  """The same plan's trainer on the last devices."""
+  mesh = Mesh(np.asarray(jax.devices()[-c.plan.num_devices :]), ("pipe",))
+  return graphpipe.Trainer(c.plan, optax.sgd(0.1), mesh, graph=c.graph)
+
+
+def _on_other_devices(c):
+  """A state of the same plan on other devices."""
+  return _other_trainer(c).init(mlp())
 
 
 def _file(path: str) -> str:
@@ -115,6 +128,72 @@ ROWS = [
     ),
     PipelineRuntimeError,
     "JAX sees 8",
+  ),
+  (
+    "trainer-graph-from-json-says-so",  # said only "needs the captured"
+    lambda c: graphpipe.Trainer(
+      c.plan, optax.sgd(0.1), graph=OpGraph.load(c.graph_file)
+    ),
+    PipelineRuntimeError,
+    "a graph loaded from JSON holds costs only",
+  ),
+  (
+    "trainer-plan-none",  # a raw AttributeError
+    lambda c: graphpipe.Trainer(None, optax.sgd(0.1), graph=c.graph),
+    PipelineRuntimeError,
+    "the trainer takes a Plan",
+  ),
+  (
+    "trainer-mesh-a-list",  # a raw AttributeError
+    lambda c: graphpipe.Trainer(
+      c.plan, optax.sgd(0.1), jax.devices()[:2], graph=c.graph
+    ),
+    PipelineRuntimeError,
+    "mesh must be a jax.sharding.Mesh, got list",
+  ),
+  (
+    # Accepted; init then failed inside JAX ("Number of processed shards").
+    "trainer-mesh-device-twice",
+    lambda c: graphpipe.Trainer(
+      c.plan,
+      optax.sgd(0.1),
+      Mesh(np.asarray([jax.devices()[0]] * 2), ("pipe",)),
+      graph=c.graph,
+    ),
+    PipelineRuntimeError,
+    "names a device more than once",
+  ),
+  (
+    # Wrote the trained shapes into a model of another width, silently.
+    "update-model-other-shapes",
+    lambda c: c.trainer.update_model(mlp(width=9), c.state()),
+    PipelineRuntimeError,
+    r"shape \[4, 9\], the captured model's has \[4, 8\]",
+  ),
+  (
+    # "Received incompatible devices" from inside jit.
+    "step-state-on-another-mesh",
+    lambda c: c.trainer.step(_on_other_devices(c), BATCH),
+    PipelineRuntimeError,
+    "lives on other devices than this trainer's mesh",
+  ),
+  (
+    "step-batch-put-on-another-mesh",
+    lambda c: c.trainer.step(c.state(), _other_trainer(c).put_batch(BATCH)),
+    PipelineRuntimeError,
+    "put for another step's devices",
+  ),
+  (
+    "memory-report-optimizer-a-string",  # a raw AttributeError
+    lambda c: graphpipe.memory_report(c.plan, c.graph, "adam"),
+    PipelineRuntimeError,
+    "optax GradientTransformation",
+  ),
+  (
+    "memory-report-plan-none",  # a raw AttributeError
+    lambda c: graphpipe.memory_report(None, c.graph),
+    PipelineRuntimeError,
+    "memory_report takes a Plan",
   ),
   (
     "init-other-structure",
