@@ -145,7 +145,8 @@ def no_plan_error(
     f"no {planner} plan for {graph.model or 'the graph'} fits "
     f"{budget_text} GiB{counted} per device on {devices} devices "
     f"(batch {batch}, micro-batches {sizes}): the smallest per-device "
-    f"memory that fits is about {high_text} GiB; raise memory_bytes "
+    f"memory under which it finds one is about {high_text} GiB; raise "
+    "memory_bytes "
     f"or pick a device with more memory{hint}. Without a limit, "
     + over_budget_message(
       graph,

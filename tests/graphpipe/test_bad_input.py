@@ -406,7 +406,7 @@ ROWS = [
       (
         "memory-too-small",
         lambda c: graphpipe.plan(c.graph, 2, 16, memory_bytes=64),
-        "smallest per-device memory that fits",
+        "smallest per-device memory under which it finds one",
       ),
       (
         "padding-tolerance-negative",

@@ -169,7 +169,7 @@ def test_no_plan_error_counts_the_kinds_the_budget_bounds():
   # set the device's whole total against the budget).
   unbounded = text.split("Without a limit, ")[1]
   assert "; of it parameters, gradients, optimizer, state take " in unbounded
-  named = float(text.split("fits is about ")[1].split(" GiB")[0]) * 2**30
+  named = float(text.split("finds one is about ")[1].split(" GiB")[0]) * 2**30
   assert named < unlimited.largest  # all kinds would name more
   chosen = graphpipe.plan(
     graph, 4, 16, memory_bytes=1.01 * named, memory_kinds=MODEL_KINDS
@@ -283,7 +283,7 @@ def test_the_memory_the_error_names_is_over_the_budget_as_printed():
     )
   text = str(info.value)
   stated = float(text.split(" fits ")[1].split(" GiB")[0]) * 2**30
-  named = float(text.split("fits is about ")[1].split(" GiB")[0]) * 2**30
+  named = float(text.split("finds one is about ")[1].split(" GiB")[0]) * 2**30
   assert stated != named
   assert budget < named < 1.01 * budget
   chosen = graphpipe.plan(
@@ -378,6 +378,6 @@ def test_a_larger_budget_never_loses_a_plan():
   chosen = graphpipe.plan(paper, 3, 8, memory_bytes=1.4e9)
   assert plan_memory(paper, chosen).largest <= 1.33e9
   with pytest.raises(
-    PlanError, match="smallest per-device memory that fits is about 1.2"
+    PlanError, match="smallest per-device memory under which it finds one is about 1.2"
   ):
     graphpipe.plan(paper, 3, 8, memory_bytes=1.3e9)
