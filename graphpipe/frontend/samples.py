@@ -350,23 +350,48 @@ def _is_var(atom) -> bool:
   return not isinstance(atom, jex.core.Literal)
 
 
-def summed_loss_gap(program) -> tuple[float, float] | None:
-  """(loss of two batches together, sum of their own) where they differ.
+def loss_gap(program, reduction: str) -> tuple[float, float] | None:
+  """(loss of two samples together, what the trainer would combine from
+  their own losses) where they differ, for `reduction` 'sum' (their sum)
+  or 'mean' (their mean).
 
-  A loss the trainer sums over micro-batches (`loss_reduction="sum"`) must
-  be a sum over samples: a batch-independent term (a weight penalty, a
-  constant) would otherwise count once per micro-batch. Checked on
-  made-up inputs at batch sizes 1 and 2 (the capture's b and 2 b where
-  the model does not trace at 1); None where the sum holds (to
-  1e-4) or the probe cannot run (an input of a key type).
+  The trainer combines micro-batches' losses: sums them ('sum'), or
+  weights each by its share of the batch ('mean'). That is the whole
+  batch's loss only where the loss is a sum (or a mean) over samples. A
+  batch-independent term under 'sum' (a weight penalty, a constant)
+  counts once per micro-batch; under 'mean', a loss normalised by
+  something the batch decides (a masked token mean, sum(ce * mask) /
+  sum(mask); a mean weighted by sum(w)), a statistic over the batch (a
+  contrastive loss, normalisation over the batch axis) or a plain sum
+  would come out silently wrong. Checked on made-up inputs at batch sizes
+  1 and 2 (the capture's b and 2 b where the model does not trace at 1),
+  the two samples made to differ (integers 0 and 1, a mask all true and
+  one half true); None where the combination holds (to 1e-4) or the probe
+  cannot run (an input of a key type, non-finite losses).
   """
   done = _PROBED.setdefault(program, {})
-  if "summed" not in done:
-    done["summed"] = _summed_gap(program)
-  return done["summed"]
+  if reduction not in done:
+    done[reduction] = _loss_gap(program, reduction)
+  return done[reduction]
 
 
-def _summed_gap(program):
+def _differing(aval, rng, second: bool):
+  """A made-up batch leaf for one of the two probe samples: floats in
+  [0.5, 1.5]; integers 0, or 1 for the second; booleans all true, or
+  every other one true for the second, starting false (a mask whose
+  count differs, also where it is one flag a sample)."""
+  if aval.dtype == jnp.bool_:
+    if not second:
+      return jnp.ones(aval.shape, bool)
+    pattern = np.arange(int(np.prod(aval.shape))).reshape(aval.shape) % 2
+    return jnp.asarray(pattern == 1)  # one sample's flag: false
+  value = _made_up(aval, rng)
+  if value is not None and second and jnp.issubdtype(aval.dtype, jnp.integer):
+    value = value + 1
+  return value
+
+
+def _loss_gap(program, reduction):
   one, two, _ = _at_two_sizes(program, 1)
   both_sizes = _avals(one, two)
   avals_one = {key: a for key, (a, _) in both_sizes.items()}
@@ -377,11 +402,10 @@ def _summed_gap(program):
     if not key.startswith(("param:", "state:", "batch:")):
       continue
     if key.startswith("batch:"):
-      parts[0][key], parts[1][key] = (_made_up(aval, rng) for _ in range(2))
+      for k, part in enumerate(parts):
+        part[key] = _differing(aval, rng, second=k == 1)
       if parts[0][key] is None:
         return None
-      if jnp.issubdtype(aval.dtype, jnp.integer):
-        parts[1][key] = parts[1][key] + 1  # the two samples differ
     else:
       shared[key] = _made_up(aval, rng)
       if shared[key] is None:
@@ -405,14 +429,16 @@ def _summed_gap(program):
 
   whole = float(loss(two)(both))
   run_one = loss(one)
-  summed = sum(float(run_one({**shared, **part})) for part in parts)
+  combined = sum(float(run_one({**shared, **part})) for part in parts)
+  if reduction == "mean":
+    combined /= 2
   # Computed in the model's own precision: a bfloat16 model rounds its sum
   # to about 2^-8 (a per-sample sum was refused at 140 against 139.5).
   tolerance = max(
     [1e-4] + [_tolerance(aval.dtype, 1e-4) for aval in avals_one.values()]
   )
-  if not (np.isfinite(whole) and np.isfinite(summed)):
+  if not (np.isfinite(whole) and np.isfinite(combined)):
     return None  # the made-up inputs overflowed: nothing to compare
-  if abs(whole - summed) <= tolerance * max(abs(whole), abs(summed), 1e-6):
+  if abs(whole - combined) <= tolerance * max(abs(whole), abs(combined), 1e-6):
     return None
-  return whole, summed
+  return whole, combined

@@ -97,6 +97,7 @@ def trainer_inputs(plan, optimizer, graph, mesh, axis: str):
       f"optimizer must be an optax GradientTransformation (e.g. "
       f"optax.adam(1e-3)), got {optimizer!r}"
     )
+  check_elementwise(optimizer)
   graph = captured_graph(plan, graph, "the trainer", "Trainer(plan, optimizer")
   if mesh is None:
     mesh = default_mesh(plan.num_devices, axis)
@@ -119,6 +120,80 @@ def trainer_inputs(plan, optimizer, graph, mesh, axis: str):
   if len(devices) != plan.num_devices or mesh.axis_names != (axis,):
     mesh = Mesh(np.asarray(devices[: plan.num_devices]), (axis,))
   return graph, mesh
+
+
+# A generic parameter tree, named as flax names its parameters, and the
+# same leaves packed into two flat slots (two stages' slots).
+_TREE_SHAPES = {
+  "dense": {"kernel": (3, 4), "bias": (4,)},
+  "norm": {"scale": (4,), "bias": (4,)},
+  "embed": {"embedding": (5, 3)},
+  "conv": {"kernel": (2, 2, 3)},
+}
+
+
+def check_elementwise(optimizer) -> None:
+  """Refuses an optimizer whose update of a parameter depends on other
+  parameters or on the shapes and names of the arrays.
+
+  The trainer runs optax on each stage's flat float32 slots, not on the
+  model's tree: global-norm clipping saw one stage's norm, a weight decay
+  masked by ndim or name decayed nothing (every slot is 1-D and unnamed),
+  factored moments and per-layer trust ratios (adafactor, lamb) saw slots,
+  not layers; silently (found by probing on 2026-12-03). Two steps on a
+  generic tree and on the same numbers in flat slots must agree.
+  """
+  rng = np.random.default_rng(0)
+
+  def draw():
+    return jax.tree.map(
+      lambda shape: jnp.asarray(rng.standard_normal(shape), jnp.float32),
+      _TREE_SHAPES,
+      is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+  params, grads = draw(), [draw(), draw()]
+
+  def slots(tree):  # two stages' slots: (stage 0's,), (stage 1's,)
+    leaves = [x.reshape(-1) for x in jax.tree.leaves(tree)]
+    half = len(leaves) // 2
+    return (jnp.concatenate(leaves[:half]),), (jnp.concatenate(leaves[half:]),)
+
+  def two_steps(p, gs):
+    state = optimizer.init(p)
+    for g in gs:
+      updates, state = optimizer.update(g, state, p)
+      p = jax.tree.map(lambda a, u: a + u, p, updates)
+    return p
+
+  try:
+    want = slots(two_steps(params, grads))
+    got = [  # each stage runs the optimizer on its own slots
+      two_steps(slots(params)[k], [slots(g)[k] for g in grads])
+      for k in range(2)
+    ]
+  except Exception as err:  # the user's optimizer: any failure
+    raise PipelineRuntimeError(
+      "the optimizer does not run on a generic parameter tree and on flat "
+      f"arrays alike ({type(err).__name__}: {err}); the trainer runs it "
+      "over each stage's flat parameter slots, so it must treat every "
+      "parameter entry alike (e.g. optax.adam, optax.sgd, optax.adamw "
+      "without a mask)"
+    ) from None
+  if not all(
+    np.allclose(a[0], b[0], rtol=1e-5, atol=1e-7)
+    for a, b in zip(want, got, strict=True)
+  ):
+    raise PipelineRuntimeError(
+      "the optimizer's update of a parameter depends on other parameters "
+      "or on the shapes or names of its arrays (global-norm clipping, a "
+      "mask by ndim or name, factored moments as in adafactor, per-layer "
+      "trust ratios as in lamb): the trainer runs it over each stage's "
+      "flat parameter slots, where those would be one stage's or a slot's. "
+      "Use elementwise transformations (optax.adam, optax.sgd, "
+      "optax.adamw without a mask, optax.clip); clip by global norm "
+      "outside the pipeline is not supported"
+    )
 
 
 def captured_graph(plan, graph, who: str, call: str) -> OpGraph:

@@ -106,19 +106,10 @@ class StepBuilder(StageCode):
       raise PipelineRuntimeError(
         f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}"
       )
-    if loss_reduction == "sum" and any(
-      s.chunk < batch_size for s in layout.stages
-    ):
-      gap = samples.summed_loss_gap(program)
+    if any(s.chunk < batch_size for s in layout.stages):
+      gap = samples.loss_gap(program, loss_reduction)
       if gap is not None:
-        raise PipelineRuntimeError(
-          "loss_reduction='sum' needs a loss that sums over samples, but "
-          f"on made-up inputs two samples' loss is {gap[0]:.6g} and the "
-          f"sum of their own losses {gap[1]:.6g}: a term that does not "
-          "grow with the batch (a weight penalty, a constant) would count "
-          "once per micro-batch. Use loss_reduction='mean' with a mean "
-          "loss, or scale such terms by the batch's share"
-        )
+        raise PipelineRuntimeError(_combination_error(loss_reduction, gap))
     self.schedule = schedule
     self.recompute = recompute
     self.loss_reduction = loss_reduction
@@ -465,3 +456,31 @@ class StepBuilder(StageCode):
     """Sums gradients over each data-parallel stage's devices (a ring)."""
     groups = [s.devices for s in self.layout.stages]
     return reduce.ring_sum(gacc, groups, self.layout.num_devices, AXIS)
+
+
+def _combination_error(reduction: str, gap: tuple[float, float]) -> str:
+  """Why a loss cannot be combined from micro-batches (`samples.loss_gap`)."""
+  whole, combined = gap
+  if reduction == "sum":
+    return (
+      "loss_reduction='sum' needs a loss that sums over samples, but on "
+      f"made-up inputs two samples' loss is {whole:.6g} and the sum of "
+      f"their own losses {combined:.6g}: a term that does not grow with "
+      "the batch (a weight penalty, a constant) would count once per "
+      "micro-batch. Use loss_reduction='mean' with a mean loss, or scale "
+      "such terms by the batch's share"
+    )
+  hint = ""
+  if abs(whole - 2 * combined) <= 1e-4 * abs(whole):
+    hint = " It looks like a sum over samples: pass loss_reduction='sum'."
+  return (
+    "the plan splits the batch, and the trainer weights each part's loss "
+    "by its share of the batch, which needs a loss that is a mean over "
+    f"samples; on made-up inputs two samples' loss is {whole:.6g} and the "
+    f"mean of their own losses {combined:.6g}. A loss normalised by "
+    "something the batch decides (a masked token mean sum(ce * mask) / "
+    "sum(mask), a mean weighted by sum(w)) or computed across samples (a "
+    "contrastive loss, statistics over the batch axis) would come out "
+    "wrong. Normalise by a constant (e.g. the batch's largest token "
+    "count) or per sample, or use a plan that does not split the batch." + hint
+  )

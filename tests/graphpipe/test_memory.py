@@ -378,6 +378,7 @@ def test_a_larger_budget_never_loses_a_plan():
   chosen = graphpipe.plan(paper, 3, 8, memory_bytes=1.4e9)
   assert plan_memory(paper, chosen).largest <= 1.33e9
   with pytest.raises(
-    PlanError, match="smallest per-device memory under which it finds one is about 1.2"
+    PlanError,
+    match="smallest per-device memory under which it finds one is about 1.2",
   ):
     graphpipe.plan(paper, 3, 8, memory_bytes=1.3e9)

@@ -195,7 +195,8 @@ def test_no_fit_names_the_memory_that_would():
   with pytest.raises(PlanError, match="smallest per-device memory") as info:
     plan(graph, 2, 8, memory_bytes=1e8)
   assert "GiB" in str(info.value)
-  check = float(str(info.value).split("finds one is about ")[1].split(" GiB")[0])
+  named = str(info.value).split("finds one is about ")[1]
+  check = float(named.split(" GiB")[0])
   fits = plan(graph, 2, 8, memory_bytes=check * 1.02 * 2**30)
   check_plan(fits, graph, check * 1.02 * 2**30)
 

@@ -175,7 +175,8 @@ def test_random_graphs_through_every_planner(
       # device), and the memory the error names must lie between the two.
       assert factor < 1, (planner, text)
       assert "smallest per-device memory" in text, text
-      named = float(text.split("finds one is about ")[1].split(" GiB")[0]) * 2**30
+      named = text.split("finds one is about ")[1].split(" GiB")[0]
+      named = float(named) * 2**30
       assert memory < named <= 1.02 * fits_one_device * 1.001, text
       continue
     assert p.planner == planner

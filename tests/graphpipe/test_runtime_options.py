@@ -168,6 +168,82 @@ def test_summed_loss_with_loss_reduction_sum(setup):
   )
 
 
+def test_mean_reduction_refuses_losses_that_are_not_means_over_samples(
+  setup,
+):
+  """With loss_reduction='mean' the trainer weights each micro-batch's
+  loss by its share of the batch, which nothing checked: a masked mean
+  normalised by the batch's mask count was 5% off with gradients up to
+  86%, a contrastive loss across the batch 100% off, a plain sum left on
+  'mean' half or an eighth of its value, silently (found by probing on
+  2026-12-03). Refused now; a per-sample mean with a weight penalty,
+  and a per-sample weighted mean, stay exact."""
+  model, _, plan = setup
+
+  def trainer_of(loss, batch=None):
+    batch = batch_of(0) if batch is None else batch
+    graph = graphpipe.capture(loss, model, batch, granularity=1)
+    groups = [([0], [0]), ([1], [1]), ([2, 3], [2])]
+    return graphpipe.Trainer(
+      manual_plan(graph, groups), optax.sgd(0.1), graph=graph
+    ), graph
+
+  def masked_mean(m, b):  # normalised by how many samples the mask keeps
+    err = (m(b["x"])[:, 0] - b["y"]) ** 2
+    keep = b["keep"]
+    return jnp.sum(jnp.where(keep, err, 0.0)) / jnp.maximum(jnp.sum(keep), 1)
+
+  masked_batch = {**batch_of(0), "keep": np.arange(BATCH) % 3 > 0}
+
+  def contrastive(m, b):  # every sample against every other
+    h = m(b["x"])
+    logits = h @ h.T
+    return -jnp.mean(jnp.diag(jax.nn.log_softmax(logits, axis=-1)))
+
+  for loss, batch, pattern in (
+    (masked_mean, masked_batch, "a mean over samples"),
+    (contrastive, None, "a mean over samples"),
+    (sum_loss, None, "pass loss_reduction='sum'"),
+  ):
+    with pytest.raises(GraphpipeError, match=pattern):
+      trainer_of(loss, batch)
+
+  def penalised(m, b):
+    return mean_loss(m, b) + 0.1 * jnp.sum(m.head.kernel[...] ** 2)
+
+  def weighted(m, b):  # a weight per sample, normalised by a constant
+    return jnp.mean(jnp.abs(b["y"]) * (m(b["x"])[:, 0] - b["y"]) ** 2)
+
+  for loss in (penalised, weighted):
+    trainer, graph = trainer_of(loss)
+    check_exact(trainer, model, loss, graph)
+
+
+def test_optimizers_that_are_not_elementwise_are_refused(setup):
+  """optax runs on each stage's flat slots: global-norm clipping saw one
+  stage's norm (2 steps: half of the update off), a weight decay masked by
+  ndim decayed nothing, lamb's trust ratios were per slot, silently
+  (found by probing on 2026-12-03). Refused; elementwise ones train."""
+  model, graph, plan = setup
+  refused = (
+    optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.1)),
+    optax.adamw(
+      1e-2,
+      weight_decay=0.1,
+      mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p),
+    ),
+    optax.lamb(1e-3),
+  )
+  for optimizer in refused:
+    with pytest.raises(GraphpipeError, match="flat parameter slots"):
+      graphpipe.Trainer(plan, optimizer, graph=graph)
+  for optimizer in (
+    optax.chain(optax.clip(0.05), optax.adamw(1e-2, weight_decay=0.1)),
+    optax.MultiSteps(optax.lion(1e-4), 2),
+  ):
+    graphpipe.Trainer(plan, optimizer, graph=graph)
+
+
 def test_non_trainable_variables_are_read_and_kept(setup):
   model, graph, plan = setup
   trainer = graphpipe.Trainer(plan, optax.sgd(0.1), graph=graph)
