@@ -95,12 +95,34 @@ def _node_deps(jaxpr, groups):
         owner[v] = n
   preds = [set() for _ in groups]
   for n, g in enumerate(groups):
+    # A constant inlined into several nodes is defined in each of them.
+    defined = {v for i in g for v in jaxpr.eqns[i].outvars}
     for i in g:
       for v in jaxpr.eqns[i].invars:
-        m = owner.get(v) if not isinstance(v, jax.extend.core.Literal) else None
+        if isinstance(v, jax.extend.core.Literal) or v in defined:
+          continue
+        m = owner.get(v)
         if m is not None and m != n:
           preds[n].add(m)
   return preds
+
+
+def constant_equations(jaxpr) -> set[int]:
+  """Equations that read no input of the loss (no parameter, variable or
+  batch leaf), directly or through other equations: constants such as a
+  causal mask or position indices built from literals."""
+  inputs = set(jaxpr.invars)
+  varying = set(inputs)
+  constant = set()
+  for i, eqn in enumerate(jaxpr.eqns):
+    reads = [
+      v for v in eqn.invars if not isinstance(v, jax.extend.core.Literal)
+    ]
+    if eqn.effects or any(v in varying for v in reads):
+      varying.update(eqn.outvars)
+    else:
+      constant.add(i)
+  return constant
 
 
 def _reads(jaxpr, group, vars_):
@@ -150,6 +172,34 @@ class Grouping:
       self.labels[dst] = self.labels[src]
     del self.groups[src]
     del self.labels[src]
+
+  def inline_constants(self):
+    """Copies every node made only of constant equations (`constant_
+    equations`) into each node that reads it, and drops it.
+
+    A causal mask or a position table built once in the root module and
+    passed to every layer was a node with an edge to each of them, whose
+    value has no batch axis: every cut between two layers crossed it and
+    the trainer refused every pipeline. Each reader now builds its own
+    copy (constants cost what building them costs, not a transfer).
+    """
+    constant = constant_equations(self.jaxpr)
+    changed = True
+    while changed:
+      changed = False
+      preds = _node_deps(self.jaxpr, self.groups)
+      for n, group in enumerate(self.groups):
+        if not all(i in constant for i in group):
+          continue
+        readers = [m for m, ps in enumerate(preds) if n in ps]
+        if not readers:
+          continue
+        for m in readers:
+          self.groups[m] = sorted(set(self.groups[m]) | set(group))
+        del self.groups[n]
+        del self.labels[n]
+        changed = True
+        break
 
   def absorb_glue(self):
     """Merges parameter-free runs into their only successor/predecessor."""

@@ -99,9 +99,11 @@ def cut(
   # Which variables each node must export: read by another node or returned.
   exported = [dict() for _ in groups]
   for node, group in enumerate(groups):
+    # Constants inlined into several nodes are defined in each reader.
+    defined = {v for i in group for v in jaxpr.eqns[i].outvars}
     for i in group:
       for v in jaxpr.eqns[i].invars:
-        if _is_var(v) and v in owner and owner[v] != node:
+        if _is_var(v) and v in owner and owner[v] != node and v not in defined:
           exported[owner[v]].setdefault(v, None)
   extra = {}  # node -> equations appended to it
   if loss_constant and loss_terms is not None:

@@ -320,6 +320,7 @@ def capture(
     )
   grouping = Grouping(jaxpr, runs(labels), model_vars)
   grouping.merge_intervals()
+  grouping.inline_constants()
   grouping.topological()
   terms, constant = loss_terms(jaxpr, grouping) or (None, 0.0)
   if terms is not None:

@@ -597,3 +597,72 @@ def test_nnx_blocks_under_remat_and_jit_keep_their_names():
 
 
 CHAIN_4 = ((0, 1), (1, 2), (2, 3))
+
+
+def test_a_constant_built_once_and_read_by_every_layer_is_inlined():
+  # A causal mask built in the root module and passed to every block (as
+  # flax's lm1b decoder does) was an 'input' node with an edge to each
+  # block and no batch axis: every cut crossed it and the trainer refused
+  # every pipeline, the planner's own included. Each reader now builds it.
+  width, seq, vocab = 8, 4, 7
+
+  class Attention(nnx.Module):
+    def __init__(self, rngs):
+      self.qkv = nnx.Linear(width, 3 * width, rngs=rngs)
+      self.out = nnx.Linear(width, width, rngs=rngs)
+
+    def __call__(self, x, bias):
+      q, k, v = jnp.split(self.qkv(x), 3, -1)
+      logits = jnp.einsum("btd,bsd->bts", q, k) / np.sqrt(width) + bias
+      mixed = jnp.einsum("bts,bsd->btd", jax.nn.softmax(logits, -1), v)
+      return x + self.out(mixed)
+
+  class CausalLM(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(vocab, width, rngs=rngs)
+      self.blocks = nnx.List([Attention(rngs) for _ in range(3)])
+      self.head = nnx.Linear(width, vocab, rngs=rngs)
+
+    def __call__(self, ids):
+      t = ids.shape[1]
+      bias = jnp.where(jnp.tril(jnp.ones((t, t), bool)), 0.0, -1e9)
+      h = self.embed(ids)
+      for block in self.blocks:
+        h = block(h, bias)
+      return self.head(h)
+
+  rng = np.random.default_rng(0)
+  batch = {
+    "ids": rng.integers(0, vocab, (8, seq)).astype(np.int32),
+    "target": rng.integers(0, vocab, (8, seq)).astype(np.int32),
+  }
+
+  def loss_fn(m, b):
+    return optax.softmax_cross_entropy_with_integer_labels(
+      m(b["ids"]), b["target"]
+    ).mean()
+
+  model = CausalLM(nnx.Rngs(0))
+  graph = graphpipe.capture(loss_fn, model, batch, granularity=1)
+  assert [n.name for n in graph.nodes] == [
+    "embed",
+    "blocks.0",
+    "blocks.1",
+    "blocks.2",
+    "head",
+  ]
+  plan = graphpipe.tightest_plan(graph, 4, 8)
+  assert plan.num_stages > 1
+  trainer = graphpipe.Trainer(plan, optax.sgd(0.1), graph=graph)
+  loss, grads = trainer.loss_and_grads(trainer.init(model), batch)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  want, want_grads = jax.value_and_grad(
+    lambda p: loss_fn(nnx.merge(graphdef, p, rest), batch)
+  )(params)
+  assert loss == pytest.approx(float(want), rel=1e-5)
+  want_grads = graph.program.variable_values(
+    nnx.merge(graphdef, want_grads, rest)
+  )
+  for name, value in want_grads.items():
+    if name.startswith("param:"):
+      np.testing.assert_allclose(grads[name], value, rtol=1e-5, atol=1e-7)
