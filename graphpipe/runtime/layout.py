@@ -165,8 +165,9 @@ def _offsets(layout, edges, stage):
   return offsets
 
 
-def batch_axis(small_shape, large_shape, key: str) -> int:
-  """The axis that grows with the batch, from shapes at two batch sizes."""
+def batch_axis(small_shape, large_shape, key: str, source: str = "") -> int:
+  """The axis that grows with the batch, from shapes at two batch sizes
+  (`source` names the value's node in messages)."""
   axes = [
     i
     for i, (a, b) in enumerate(zip(small_shape, large_shape, strict=True))
@@ -174,10 +175,14 @@ def batch_axis(small_shape, large_shape, key: str) -> int:
   ]
   if len(axes) != 1:
     raise PipelineRuntimeError(
-      f"value {key} crosses pipeline stages but "
+      f"value {key}{source} crosses pipeline stages but "
       + (
-        "has no batch axis (it does not grow with the batch): keep "
-        "batch-independent computations inside one stage"
+        f"has no batch axis (shape {tuple(small_shape)} at any batch "
+        "size): a value reduced over the batch (e.g. an auxiliary loss a "
+        "layer returns as a scalar and loss_fn adds) or one that reads "
+        "no sample cannot be cut into micro-batches. Return such a loss "
+        "per sample (a (batch,) vector) and reduce it in loss_fn, or keep "
+        "its producer and readers in one stage"
         if not axes
         else f"has several axes that grow with the batch {axes}"
       )
@@ -285,7 +290,11 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
 
   def chunk_shape(key, chunk):
     small, large_ = shapes_small[key], shapes_large[key]
-    axis = batch_axis(small, large_, key)
+    node = produced_by.get(key)
+    source = (
+      f" (of node {graph.nodes[node].name!r})" if node is not None else ""
+    )
+    axis = batch_axis(small, large_, key, source)
     per = small[axis] // base.batch_size
     if small[axis] != per * base.batch_size:
       raise PipelineRuntimeError(

@@ -380,3 +380,38 @@ def test_integer_state_beyond_float32_is_exact(offset):
   trainer = graphpipe.Trainer(plan, optax.sgd(0.1), graph=graph)
   got, _ = trainer.loss_and_grads(trainer.init(model), batch)
   assert got == pytest.approx(float(loss(model, batch)), rel=1e-6)
+
+
+def test_a_scalar_crossing_stages_is_refused_with_its_node_and_remedy():
+  # An auxiliary loss a layer returns as a scalar (a mixture-of-experts
+  # balance term) was refused as "batch-independent", naming only a key.
+  class Gate(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(6, 6, rngs=rngs)
+
+    def __call__(self, x):
+      h = jnp.tanh(self.lin(x))
+      return h, jnp.mean(h**2)
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.gate = Gate(rngs)
+      self.mid = nnx.Linear(6, 6, rngs=rngs)
+      self.head = nnx.Linear(6, 1, rngs=rngs)
+
+    def __call__(self, x):
+      h, aux = self.gate(x)
+      return self.head(jnp.tanh(self.mid(h))), aux
+
+  def loss(m, b):
+    y, aux = m(b["x"])
+    return jnp.mean((y[:, 0] - b["y"]) ** 2) + 0.01 * aux
+
+  graph = graphpipe.capture(loss, Net(nnx.Rngs(0)), batch_of(0))
+  names = [n.name for n in graph.nodes]
+  plan = manual_plan(graph, [([0], [0]), (list(range(1, len(names))), [1])])
+  with pytest.raises(
+    GraphpipeError,
+    match="of node 'gate.lin'.* per sample \\(a \\(batch,\\) vector",
+  ):
+    graphpipe.Trainer(plan, optax.sgd(0.1), graph=graph)
