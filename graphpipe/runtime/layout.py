@@ -217,6 +217,10 @@ SUPPORTED_DTYPES = (
   "bfloat16",
   "int32",
   "uint32",
+  "int16",
+  "uint16",
+  "int8",
+  "uint8",
   "bool",
 )
 

@@ -9,6 +9,8 @@ from graphpipe.errors import PipelineRuntimeError
 from graphpipe.runtime.layout import ValueSpec
 
 _BITCAST = ("int32", "uint32")
+# Narrow integers travel widened: every value is exact in float32.
+_WIDENED_INTEGERS = ("int8", "uint8", "int16", "uint16")
 
 
 def to_f32(x):
@@ -24,6 +26,8 @@ def from_f32(x, dtype: str):
     return jax.lax.bitcast_convert_type(jax.lax.stop_gradient(x), dtype)
   if dtype == "bool":
     return jax.lax.stop_gradient(x) != 0
+  if dtype in _WIDENED_INTEGERS:  # exact in float32; no gradient
+    return jax.lax.stop_gradient(x).astype(dtype)
   return x.astype(dtype)
 
 

@@ -108,30 +108,35 @@ def test_bf16_runs_exactly_as_plain_jax_in_bf16(param_dtype, grad_tol):
 
 
 class Pick(nnx.Module):
-  """Outputs an activation and int32 indices above 2^24 (not exact in
-  float32: only a bit-cast carries them across a stage boundary)."""
+  """Outputs an activation and integer indices: int32 above 2^24 (not
+  exact in float32: only a bit-cast carries them across a stage
+  boundary), or a narrow integer type near its range's end."""
 
-  def __init__(self, rngs):
+  def __init__(self, rngs, dtype, offset):
     self.linear = nnx.Linear(6, 8, rngs=rngs)
+    self.dtype, self.offset = dtype, offset
 
   def __call__(self, x):
     h = self.linear(x)
-    return h, jnp.argmax(h, axis=-1).astype(jnp.int32) + (2**24 + 1)
+    idx = jnp.argmax(h, axis=-1).astype(jnp.int32) + self.offset
+    return h, idx.astype(self.dtype)
 
 
 class Use(nnx.Module):
-  def __init__(self, rngs):
+  def __init__(self, rngs, offset):
     self.linear = nnx.Linear(8, 8, rngs=rngs)
+    self.offset = offset
 
   def __call__(self, h, idx):
     g = self.linear(h)
-    picked = jnp.take_along_axis(g, (idx - (2**24 + 1))[:, None], axis=-1)
+    index = idx.astype(jnp.int32) - self.offset
+    picked = jnp.take_along_axis(g, index[:, None], axis=-1)
     return g * picked
 
 
 class Indexed(nnx.Module):
-  def __init__(self, rngs):
-    self.pick, self.use = Pick(rngs), Use(rngs)
+  def __init__(self, rngs, dtype=jnp.int32, offset=2**24 + 1):
+    self.pick, self.use = Pick(rngs, dtype, offset), Use(rngs, offset)
     self.head = nnx.Linear(8, 1, rngs=rngs)
 
   def __call__(self, x):
@@ -142,8 +147,20 @@ def indexed_loss(model, batch):
   return jnp.mean((model(batch["x"])[:, 0] - batch["y"]) ** 2)
 
 
-def test_int32_values_cross_stages_bit_exact():
-  model = Indexed(nnx.Rngs(3))
+@pytest.mark.parametrize(
+  "dtype, offset",
+  [
+    (jnp.int32, 2**24 + 1),
+    # Refused before 2026-12-03 ("dtype int8 crosses stages; supported:
+    # ..."): narrow integers now travel widened, exact in float32.
+    (jnp.int8, 120),
+    (jnp.uint8, 248),
+    (jnp.int16, -32768),
+    (jnp.uint16, 65528),
+  ],
+)
+def test_integer_values_cross_stages_bit_exact(dtype, offset):
+  model = Indexed(nnx.Rngs(3), dtype, offset)
   rng = np.random.default_rng(0)
   batch = {
     "x": rng.standard_normal((BATCH, 6), np.float32),
@@ -159,7 +176,7 @@ def test_int32_values_cross_stages_bit_exact():
   plan = Plan("manual", stages, edges, BATCH, n)
   trainer = graphpipe.Trainer(plan, optax.sgd(0.1), graph=graph)
   crossing = {v.dtype for e in trainer.layout.edges for v in e.values}
-  assert "int32" in crossing
+  assert jnp.dtype(dtype).name in crossing
   loss, grads = trainer.loss_and_grads(trainer.init(model), batch)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   want_loss, want = jax.value_and_grad(
