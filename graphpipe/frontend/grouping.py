@@ -76,6 +76,61 @@ def labels_of(jaxpr, framework, depth):
   return labels
 
 
+def no_module_reason(jaxpr, framework) -> str:
+  """Why no equation is labelled with a module, and what to do: module
+  scopes appear only inside nested calls that span several modules (the
+  whole forward under one jax.checkpoint, nnx.remat or jax.jit in
+  loss_fn: capture cuts at top-level equations), or not at all."""
+  if any(
+    any(chain for chain in _inner_chains(eqn, framework)) for eqn in jaxpr.eqns
+  ):
+    return (
+      "Its modules run inside one transformed call (jax.checkpoint, "
+      "nnx.remat or jax.jit around the whole model in loss_fn), which "
+      "capture cannot cut: apply the transform inside each layer"
+    )
+  return (
+    "Build the model from submodules (each layer an nnx.Module / linen "
+    "Module called in __call__)"
+  )
+
+
+def single_node_reason(jaxpr, labels, param_names) -> str:
+  """Why grouping left one node: parameters read outside their modules
+  (named), a parameter shared by the first and last module, or one
+  module call."""
+  params = dict(zip(jaxpr.invars[: len(param_names)], param_names, strict=True))
+  outside = sorted(
+    {
+      params[v]
+      for label, eqn in zip(labels, jaxpr.eqns, strict=True)
+      if not label
+      for v in eqn.invars
+      if not isinstance(v, jax.extend.core.Literal) and v in params
+    }
+  )
+  if outside:
+    return (
+      f"parameters are read outside their modules' __call__ "
+      f"({', '.join(outside[:3])}{', ...' if len(outside) > 3 else ''}: a "
+      "weight penalty over every parameter in loss_fn, or a method other "
+      "than __call__ such as a tied embedding's attend()), which ties each "
+      "one's module to that code and merges everything between them. "
+      "Compute such terms inside the modules, use the optimizer's weight "
+      "decay (optax.add_decayed_weights), or untie the shared parameter"
+    )
+  if len({label for label in labels if label}) > 1:
+    return (
+      "a parameter is shared between the first and the last module call, "
+      "which merges everything between them. Use a finer granularity or "
+      "untie the shared parameters"
+    )
+  return (
+    "only one module call was traced: a model of one layer has nothing to "
+    "pipeline (build it from several submodules)"
+  )
+
+
 def runs(labels):
   """[(label, equation indices)] of maximal runs of equal labels."""
   runs = []

@@ -27,7 +27,9 @@ from graphpipe.frontend.grouping import (
   labels_of,
   loss_terms,
   name_nodes,
+  no_module_reason,
   runs,
+  single_node_reason,
 )
 from graphpipe.frontend.program import Program, source_input
 from graphpipe.frontend.scopes import nnx_module_scopes, path_to_str
@@ -315,8 +317,8 @@ def capture(
   if not module_eqns:
     raise GraphCutError(
       f"no equation of the loss ran inside a submodule of {bound.root}: "
-      "the graph would be a single node. Build the model from submodules "
-      "(each layer an nnx.Module / linen Module called in __call__)"
+      "the graph would be a single node. "
+      + no_module_reason(jaxpr, bound.framework)
     )
   grouping = Grouping(jaxpr, runs(labels), model_vars)
   grouping.merge_intervals()
@@ -329,33 +331,10 @@ def capture(
   grouping.absorb_glue()
   grouping.topological()
   if len(grouping.groups) < 2:
-    params = set(jaxpr.invars[: len(bound.param_names)])
-    outside = any(
-      not label
-      and any(
-        v in params
-        for v in eqn.invars
-        if not isinstance(v, jax.extend.core.Literal)
-      )
-      for label, eqn in zip(labels, jaxpr.eqns, strict=True)
-    )
     raise GraphCutError(
       f"the loss of {bound.root} forms a single node at granularity "
       f"{granularity!r}: "
-      + (
-        "parameters are read outside their modules (e.g. a weight penalty "
-        "over every parameter in loss_fn), which ties each one's module to "
-        "that code and merges everything between them. Compute such terms "
-        "inside the modules, or use the optimizer's weight decay "
-        "(optax.add_decayed_weights) instead"
-        if outside
-        else "a parameter is shared between the first and the last module "
-        "call, which merges everything between them. Use a finer "
-        "granularity or untie the shared parameters"
-        if len({label for label in labels if label}) > 1
-        else "only one module call was traced: a model of one layer has "
-        "nothing to pipeline (build it from several submodules)"
-      )
+      + single_node_reason(jaxpr, labels, bound.param_names)
     )
   groups = grouping.groups
   names = name_nodes(

@@ -67,6 +67,18 @@ def ctx(tmp_path_factory):
   return Ctx(tmp_path_factory.mktemp("bad_input"))
 
 
+class _Tied(nnx.Module):
+  """An embedding whose transpose is the output layer (attend)."""
+
+  def __init__(self):
+    self.embed = nnx.Embed(8, 4, rngs=nnx.Rngs(0))
+    self.mid = nnx.Linear(4, 4, rngs=nnx.Rngs(1))
+
+  def __call__(self, x):
+    ids = jnp.argmax(x, axis=-1)
+    return self.embed.attend(self.mid(self.embed(ids)))
+
+
 class _Looping(nnx.Module):
   """A layer applied in a while_loop (traced bounds), then a head."""
 
@@ -167,6 +179,27 @@ ROWS = [
     ),
     GraphCutError,
     "optax.add_decayed_weights",
+  ),
+  (
+    # A tied embedding read through attend() (a method other than
+    # __call__) was blamed on a weight penalty; the message names the
+    # parameter and both causes now.
+    "capture-tied-embedding-attend",
+    lambda c: graphpipe.capture(
+      lambda m, b: jnp.mean(m(b["x"]) ** 2), _Tied(), BATCH
+    ),
+    GraphCutError,
+    r"read outside their modules' __call__ \(embed.embedding: .*attend",
+  ),
+  (
+    # "Build the model from submodules" to a model built from them whose
+    # whole forward ran under one jax.checkpoint in the loss.
+    "capture-whole-model-under-checkpoint",
+    lambda c: graphpipe.capture(
+      lambda m, b: loss_fn(jax.checkpoint(lambda x: m(x)), b), mlp(), BATCH
+    ),
+    GraphCutError,
+    "apply the transform inside each layer",
   ),
   (
     "capture-batch-wrong-shape",
