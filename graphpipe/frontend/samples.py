@@ -366,8 +366,9 @@ def loss_gap(program, reduction: str) -> tuple[float, float] | None:
   would come out silently wrong. Checked on made-up inputs at batch sizes
   1 and 2 (the capture's b and 2 b where the model does not trace at 1),
   the two samples made to differ (integers 0 and 1, a mask all true and
-  one half true); None where the combination holds (to 1e-4) or the probe
-  cannot run (an input of a key type, non-finite losses).
+  one half true; floats positive, then the second's of both signs); None
+  where the combination holds (to 1e-4) or the probe cannot run (an input
+  of a key type, non-finite losses).
   """
   done = _PROBED.setdefault(program, {})
   if reduction not in done:
@@ -375,19 +376,26 @@ def loss_gap(program, reduction: str) -> tuple[float, float] | None:
   return done[reduction]
 
 
-def _differing(aval, rng, second: bool):
+def _differing(aval, rng, second: bool, signed: bool):
   """A made-up batch leaf for one of the two probe samples: floats in
-  [0.5, 1.5]; integers 0, or 1 for the second; booleans all true, or
-  every other one true for the second, starting false (a mask whose
-  count differs, also where it is one flag a sample)."""
+  [0.5, 1.5], for the second sample of a `signed` probe every other one
+  negated, starting with the first (a mask the model derives from a float,
+  `y > 0`, then keeps another count); integers 0, or 1 for the second;
+  booleans all true, or every other one true for the second, starting
+  false (a mask whose count differs, also where it is one flag a
+  sample)."""
+  pattern = np.arange(int(np.prod(aval.shape))).reshape(aval.shape) % 2
   if aval.dtype == jnp.bool_:
     if not second:
       return jnp.ones(aval.shape, bool)
-    pattern = np.arange(int(np.prod(aval.shape))).reshape(aval.shape) % 2
     return jnp.asarray(pattern == 1)  # one sample's flag: false
   value = _made_up(aval, rng)
-  if value is not None and second and jnp.issubdtype(aval.dtype, jnp.integer):
-    value = value + 1
+  if value is None or not second:
+    return value
+  if jnp.issubdtype(aval.dtype, jnp.integer):
+    return value + 1
+  if signed and jnp.issubdtype(aval.dtype, jnp.floating):
+    return jnp.where(jnp.asarray(pattern == 0), -value, value)
   return value
 
 
@@ -396,6 +404,45 @@ def _loss_gap(program, reduction):
   both_sizes = _avals(one, two)
   avals_one = {key: a for key, (a, _) in both_sizes.items()}
   shapes_two = {key: shape for key, (_, shape) in both_sizes.items()}
+
+  def loss(prog):
+    @jax.jit
+    def run(env):
+      env = prog.run({**env, **prog.consts})
+      return sum(env[k].astype(jnp.float32) for k in prog.loss_keys)
+
+    return run
+
+  run_two, run_one = loss(two), loss(one)
+  # Computed in the model's own precision: a bfloat16 model rounds its sum
+  # to about 2^-8 (a per-sample sum was refused at 140 against 139.5).
+  tolerance = max(
+    [1e-4] + [_tolerance(aval.dtype, 1e-4) for aval in avals_one.values()]
+  )
+  # Positive floats first (logs and square roots stay finite), then the
+  # second sample's floats of both signs: a mask derived from a float
+  # (y > 0) kept every element of both samples, and a masked mean over it
+  # passed (the same jitted programs: no new compilation).
+  for signed in (False, True):
+    inputs = _probe_inputs(avals_one, shapes_two, signed)
+    if inputs is None:
+      return None  # a key-typed input: nothing to make up
+    shared, parts, both = inputs
+    whole = float(run_two(both))
+    combined = sum(float(run_one({**shared, **part})) for part in parts)
+    if reduction == "mean":
+      combined /= 2
+    if not (np.isfinite(whole) and np.isfinite(combined)):
+      continue  # the made-up inputs overflowed: no evidence
+    scale = max(abs(whole), abs(combined), 1e-6)
+    if abs(whole - combined) > tolerance * scale:
+      return whole, combined
+  return None
+
+
+def _probe_inputs(avals_one, shapes_two, signed):
+  """(values shared by both samples, each sample's batch, the two samples
+  as one batch), or None where an input cannot be made up."""
   rng = np.random.default_rng(0)
   shared, parts = {}, ({}, {})
   for key, aval in avals_one.items():
@@ -403,7 +450,7 @@ def _loss_gap(program, reduction):
       continue
     if key.startswith("batch:"):
       for k, part in enumerate(parts):
-        part[key] = _differing(aval, rng, second=k == 1)
+        part[key] = _differing(aval, rng, second=k == 1, signed=signed)
       if parts[0][key] is None:
         return None
     else:
@@ -418,27 +465,4 @@ def _loss_gap(program, reduction):
       parts[1][key] = parts[0][key]
     else:
       both[key] = jnp.concatenate([parts[0][key], parts[1][key]], axis)
-
-  def loss(prog):
-    @jax.jit
-    def run(env):
-      env = prog.run({**env, **prog.consts})
-      return sum(env[k].astype(jnp.float32) for k in prog.loss_keys)
-
-    return run
-
-  whole = float(loss(two)(both))
-  run_one = loss(one)
-  combined = sum(float(run_one({**shared, **part})) for part in parts)
-  if reduction == "mean":
-    combined /= 2
-  # Computed in the model's own precision: a bfloat16 model rounds its sum
-  # to about 2^-8 (a per-sample sum was refused at 140 against 139.5).
-  tolerance = max(
-    [1e-4] + [_tolerance(aval.dtype, 1e-4) for aval in avals_one.values()]
-  )
-  if not (np.isfinite(whole) and np.isfinite(combined)):
-    return None  # the made-up inputs overflowed: nothing to compare
-  if abs(whole - combined) <= tolerance * max(abs(whole), abs(combined), 1e-6):
-    return None
-  return whole, combined
+  return shared, parts, both

@@ -195,6 +195,11 @@ def test_mean_reduction_refuses_losses_that_are_not_means_over_samples(
 
   masked_batch = {**batch_of(0), "keep": np.arange(BATCH) % 3 > 0}
 
+  def positive_mean(m, b):  # the mask derived from a float input
+    err = (m(b["x"])[:, 0] - b["y"]) ** 2
+    keep = b["y"] > 0
+    return jnp.sum(jnp.where(keep, err, 0.0)) / jnp.maximum(jnp.sum(keep), 1)
+
   def contrastive(m, b):  # every sample against every other
     h = m(b["x"])
     logits = h @ h.T
@@ -202,6 +207,9 @@ def test_mean_reduction_refuses_losses_that_are_not_means_over_samples(
 
   for loss, batch, pattern in (
     (masked_mean, masked_batch, "a mean over samples"),
+    # Made-up floats were all positive: y > 0 kept every sample and this
+    # passed (loss 32% off, gradients 25%, found in review on 2026-12-03).
+    (positive_mean, None, "a mean over samples"),
     (contrastive, None, "a mean over samples"),
     (sum_loss, None, "pass loss_reduction='sum'"),
   ):
