@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from disco.errors import ConfigError, require_int
+from disco.errors import ConfigError, DataError, require_int
 
 SCALES = (0.25, 0.45, 0.7)
 # Default boxes' aspect ratios (width / height): `anchors` takes the first.
@@ -206,8 +206,22 @@ def mean_average_precision(detections, truths, num_classes, threshold=0.5):
     truths: (images, objects, 5) padded ground truth.
     num_classes: classes, background included.
     threshold: IoU for a true positive.
+
+  Raises:
+    DataError: truths not (images, objects, 5), or not one per detection
+      list.
   """
   truths = np.asarray(truths)
+  if truths.ndim != 3 or truths.shape[-1] != 5:
+    raise DataError(
+      "detection targets must be (images, objects, 5): per object a class "
+      f"and a box (x0, y0, x1, y1), class -1 padding; got {truths.shape}"
+    )
+  if len(truths) != len(detections):
+    raise DataError(
+      f"{len(detections)} images' detections against {len(truths)} images' "
+      "targets"
+    )
   precisions = []
   for cls in range(1, num_classes):
     scored = []

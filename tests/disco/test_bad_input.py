@@ -14,7 +14,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from disco import checkpoint, data, distributed, metrics, prune, train
+from disco import (
+  checkpoint,
+  data,
+  detection,
+  distributed,
+  metrics,
+  prune,
+  train,
+)
 from disco.errors import (
   CheckpointError,
   ConfigError,
@@ -288,6 +296,23 @@ ROWS = [
     lambda c: train.TrainConfig(epochs=1, learning_rate=float("nan")),
     ConfigError,
     "learning_rate must be a finite number >= 0",
+  ),
+  # disco.detection (tasks.quality of an SSD model): an IndexError before
+  (
+    "map-targets-of-one-image-without-the-image-axis",
+    lambda c: detection.mean_average_precision(
+      [[]], np.array([[1, 0, 0, 4, 4]], np.float32), 2
+    ),
+    DataError,
+    r"must be \(images, objects, 5\).*got \(1, 5\)",
+  ),
+  (
+    "map-targets-of-other-images",
+    lambda c: detection.mean_average_precision(
+      [[], []], np.zeros((3, 1, 5), np.float32), 2
+    ),
+    DataError,
+    "2 images' detections against 3 images' targets",
   ),
   # disco.data
   (
