@@ -191,6 +191,20 @@ class OpGraph:
       if not 0 <= i < len(ids):
         raise GraphError(f"loss node {i} is not a node of the graph")
 
+  @property
+  def loss_form(self) -> str:
+    """How the loss combines micro-batches, as capture proved it from its
+    program (`graphpipe.frontend.loss_form`; '' for a graph built by
+    hand)."""
+    return self.meta.get("loss_form", "")
+
+  @property
+  def whole_batch_only(self) -> str | None:
+    """Why the loss is exact only with the whole batch in one piece (a
+    max or a product across samples), or None: plans must not split the
+    batch."""
+    return self.meta.get("whole_batch_only")
+
   # Structure.
 
   def __len__(self) -> int:

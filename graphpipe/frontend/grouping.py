@@ -1,16 +1,19 @@
 """Labelled equations -> operator nodes, in four steps.
 
-1. runs: maximal runs of consecutive equations with the same label. Every
-   run is an interval of a topologically ordered list, so the run graph is a
-   DAG whatever the model does.
+Only the loss's per-sample body is grouped (`loss_form`: the head that
+combines its sums, the data statistics and parameter-only terms are
+pieces of their own).
+
+1. runs: maximal runs of consecutive body equations with the same label.
+   Every run is an interval of a topologically ordered list, so the run
+   graph is a DAG whatever the model does.
 2. shared parameters: a parameter read by several runs merges all runs
    between its first and last reader (intervals again: still a DAG).
-3. loss terms: a final parameter-free run made only of scalar additions of
-   other runs' scalars (a multi-task loss `loss_a + loss_b`) is dropped and
-   its addends become the graph's loss terms.
-4. glue: a parameter-free run (concatenation, pooling, the loss) joins its
-   only successor, or else its only predecessor. Contracting an edge to a
-   node's only successor (predecessor) cannot close a cycle.
+3. constants: a run of equations that read no input is copied into each
+   run that reads it.
+4. glue: a parameter-free run (concatenation, pooling, the loss's sum)
+   joins its only successor, or else its only predecessor. Contracting an
+   edge to a node's only successor (predecessor) cannot close a cycle.
 """
 
 import jax
@@ -95,17 +98,17 @@ def no_module_reason(jaxpr, framework) -> str:
   )
 
 
-def single_node_reason(jaxpr, labels, param_names) -> str:
-  """Why grouping left one node: parameters read outside their modules
-  (named), a parameter shared by the first and last module, or one
-  module call."""
+def single_node_reason(jaxpr, labels, param_names, body) -> str:
+  """Why grouping left one node of the `body` equations: parameters read
+  outside their modules (named), a parameter shared by the first and last
+  module, or one module call."""
   params = dict(zip(jaxpr.invars[: len(param_names)], param_names, strict=True))
   outside = sorted(
     {
       params[v]
-      for label, eqn in zip(labels, jaxpr.eqns, strict=True)
-      if not label
-      for v in eqn.invars
+      for i in body
+      if not labels[i]
+      for v in jaxpr.eqns[i].invars
       if not isinstance(v, jax.extend.core.Literal) and v in params
     }
   )
@@ -113,13 +116,12 @@ def single_node_reason(jaxpr, labels, param_names) -> str:
     return (
       f"parameters are read outside their modules' __call__ "
       f"({', '.join(outside[:3])}{', ...' if len(outside) > 3 else ''}: a "
-      "weight penalty over every parameter in loss_fn, or a method other "
-      "than __call__ such as a tied embedding's attend()), which ties each "
-      "one's module to that code and merges everything between them. "
-      "Compute such terms inside the modules, use the optimizer's weight "
-      "decay (optax.add_decayed_weights), or untie the shared parameter"
+      "method other than __call__, such as a tied embedding's attend()), "
+      "which ties each one's module to that code and merges everything "
+      "between them. Call such code from a module's __call__, or untie "
+      "the shared parameter"
     )
-  if len({label for label in labels if label}) > 1:
+  if len({labels[i] for i in body if labels[i]}) > 1:
     return (
       "a parameter is shared between the first and the last module call, "
       "which merges everything between them. Use a finer granularity or "
@@ -131,10 +133,12 @@ def single_node_reason(jaxpr, labels, param_names) -> str:
   )
 
 
-def runs(labels):
-  """[(label, equation indices)] of maximal runs of equal labels."""
+def runs(labels, indices):
+  """[(label, equation indices)] of maximal runs of equal labels among
+  the equations `indices` (in order)."""
   runs = []
-  for i, label in enumerate(labels):
+  for i in indices:
+    label = labels[i]
     if runs and runs[-1][0] == label:
       runs[-1][1].append(i)
     else:
@@ -291,43 +295,6 @@ class Grouping:
       done.add(n)
     self.groups = [sorted(self.groups[n]) for n in order]
     self.labels = [self.labels[n] for n in order]
-
-
-def loss_terms(jaxpr, grouping):
-  """((equation, output) positions of summed losses, constant), or None
-  (step 3).
-
-  Applies when the last node only sums other nodes' scalar losses and
-  constants (`loss + 1.0`); the constants' sum is returned beside the
-  terms, for `program.cut` to add to the first term.
-  """
-  last = grouping.groups[-1]
-  eqns = [jaxpr.eqns[i] for i in last]
-  if grouping.has_model_vars(len(grouping.groups) - 1) or not all(
-    e.primitive.name in ("add", "add_any")
-    and all(getattr(v.aval, "shape", None) == () for v in e.invars)
-    for e in eqns
-  ):
-    return None
-  literal = jax.extend.core.Literal
-  constant = sum(
-    float(v.val) for e in eqns for v in e.invars if isinstance(v, literal)
-  )
-  internal = {v for e in eqns for v in e.outvars}
-  terms = [
-    v
-    for e in eqns
-    for v in e.invars
-    if not isinstance(v, literal) and v not in internal
-  ]
-  if len(terms) < 2 or len(set(terms)) != len(terms):
-    return None
-  position = {
-    v: (i, k) for i, e in enumerate(jaxpr.eqns) for k, v in enumerate(e.outvars)
-  }
-  if any(v not in position for v in terms):
-    return None  # a term is a graph input, not a node's output
-  return [position[v] for v in terms], constant
 
 
 def name_nodes(labels, groups, first_module_eqn, last_module_eqn):

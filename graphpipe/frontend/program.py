@@ -1,25 +1,29 @@
-"""The executable side of a captured graph: one closed jaxpr per node.
+"""The executable side of a captured graph: one closed jaxpr per piece.
 
-A traced loss is a flat list of equations. Capture assigns every equation
-to a node; `Program` cuts the jaxpr into one small jaxpr per node, whose
-inputs and outputs are named by `value keys`:
+A traced loss is a flat list of equations. Its form (`loss_form`) sorts
+them into the per-sample body, the data statistics computed before the
+pipeline, the parameter-only terms and the head that combines them;
+capture assigns every body equation to a node. `Program` cuts the jaxpr
+into one small jaxpr per piece, whose inputs and outputs are named by
+`value keys`:
 
   'param:<path>'  a trainable parameter     'batch:<name>'  a batch leaf
   'state:<path>'  a non-trainable variable  'const:<k>'     a traced constant
-  'node<i>:<k>'   the k-th output of node i
+  'node<i>:<k>'   the k-th output of node i 'global:<k>'    a data statistic
+  'penalty:<k>'   a parameter-only term     'loss'          the head's output
 
-Evaluating the node jaxprs in topological order, each reading the keys the
-earlier ones wrote, reproduces the loss: the runtime cuts pipeline stages
-out of the same pieces. Jaxprs have static shapes, so a program is made for
-one batch size; `Program.at_batch_size` re-traces the loss at another size
-and cuts it along the same equation groups.
+Running the pre-pass, the node jaxprs in topological order (each reading
+the keys the earlier ones wrote), the penalties and the head reproduces
+the loss: the runtime cuts pipeline stages out of the same pieces, each
+micro-batch adding to the sums ('loss_keys') the head reads. Jaxprs have
+static shapes, so a program is made for one batch size;
+`Program.at_batch_size` re-traces the loss at another size and cuts it
+along the same equation groups.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import operator
 from collections.abc import Callable, Sequence
 
 import jax
@@ -27,6 +31,7 @@ import jax.extend as jex
 import numpy as np
 
 from graphpipe.errors import CaptureError
+from graphpipe.frontend.loss_form import LossForm, producers, ref_of, resolve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,32 +61,60 @@ def primitive_signature(jaxpr) -> tuple[str, ...]:
   return tuple(e.primitive.name for e in jaxpr.eqns)
 
 
+def sub_program(eqns, key_of: dict, outvars, name: str) -> NodeProgram:
+  """The equations `eqns` as one closed jaxpr over value keys: its inputs
+  are what they read and do not define (each must have a key in
+  `key_of`), its outputs `outvars` (keyed by `key_of`)."""
+  defined = {v for e in eqns for v in e.outvars}
+  invars = {}
+  # (An output no equation defines passes an input through: a loss that is
+  # one sum has an empty head.)
+  for v in [v for e in eqns for v in e.invars] + list(outvars):
+    if _is_var(v) and v not in defined:
+      if v not in key_of:
+        raise CaptureError(
+          f"{name} reads {v} defined by no other piece (internal error: "
+          "equations out of order)"
+        )
+      invars.setdefault(v, None)
+  effects = frozenset().union(*(e.effects for e in eqns))
+  in_keys = tuple(key_of[v] for v in invars)
+  out_keys = tuple(key_of[v] for v in outvars)
+  debug = jex.core.DebugInfo("graphpipe node", name, in_keys, out_keys)
+  sub = jex.core.Jaxpr([], list(invars), list(outvars), eqns, effects, debug)
+  return NodeProgram(jex.core.ClosedJaxpr(sub, []), in_keys, out_keys)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+  """A loss cut into its pieces at one batch size (see `cut`)."""
+
+  nodes: list[NodeProgram]  # per node, its outputs ('node<i>:<k>')
+  refs: dict[str, tuple]  # 'node<i>:<k>' -> the value it is (a form Ref)
+  consts: dict[str, object]  # 'const:<k>' -> value
+  loss_keys: list[str]  # the sums over the batch, in the form's order
+  prepass: NodeProgram  # batch -> 'global:<k>' (data statistics)
+  penalties: dict[int, NodeProgram]  # node -> its 'penalty:<k>' terms
+  head: NodeProgram  # sums, statistics, penalties -> the loss
+
+
 def cut(
   closed: jex.core.ClosedJaxpr,
   input_keys: Sequence[str],
   groups: Sequence[Sequence[int]],
-  loss_terms: Sequence[tuple[int, int]] | None = None,
-  loss_constant: float = 0.0,
-) -> tuple[list[NodeProgram], dict[str, object], list[str]]:
-  """Cuts `closed` into one jaxpr per group of equation indices.
+  form: LossForm,
+) -> Pieces:
+  """Cuts `closed` into one jaxpr per group of equation indices, and
+  the pre-pass, penalty and head programs of its loss form.
 
   Args:
     closed: the traced loss.
     input_keys: a value key for each of its invars.
-    groups: equation indices of each node, nodes in topological order.
-    loss_terms: (equation index, output index) of each value whose sum is
-      the loss; None means the jaxpr's own output.
-    loss_constant: added to the first loss term by its node (the constants
-      the summing equations added, which leave with them).
-
-  Returns:
-    (node programs, constants by 'const:k' key, keys of the loss terms).
+    groups: equation indices of each node (the form's body), nodes in
+      topological order.
+    form: the loss's form (`graphpipe.frontend.loss_form`).
   """
   jaxpr = closed.jaxpr
-  if loss_terms is None:
-    loss_vars = list(jaxpr.outvars)
-  else:
-    loss_vars = [jaxpr.eqns[i].outvars[k] for i, k in loss_terms]
   key_of = {}
   for var, key in zip(jaxpr.invars, input_keys, strict=True):
     key_of[var] = key
@@ -91,12 +124,16 @@ def cut(
   ):
     key_of[var] = f"const:{k}"
     consts[f"const:{k}"] = value
+  data = [resolve(jaxpr, r) for r in form.data]
+  for k, v in enumerate(data):
+    key_of[v] = f"global:{k}"
+  sums = [resolve(jaxpr, r) for r in form.sums]
   owner = {}
   for node, group in enumerate(groups):
     for i in group:
       for v in jaxpr.eqns[i].outvars:
         owner[v] = node
-  # Which variables each node must export: read by another node or returned.
+  # Which variables each node must export: read by another node or a sum.
   exported = [dict() for _ in groups]
   for node, group in enumerate(groups):
     # Constants inlined into several nodes are defined in each reader.
@@ -105,84 +142,80 @@ def cut(
       for v in jaxpr.eqns[i].invars:
         if _is_var(v) and v in owner and owner[v] != node and v not in defined:
           exported[owner[v]].setdefault(v, None)
-  extra = {}  # node -> equations appended to it
-  if loss_constant and loss_terms is not None:
-    first = loss_vars[0]
-    shifted = jex.core.Var(first.aval)
-    extra[owner[first]] = [
-      jex.core.new_jaxpr_eqn(
-        [
-          first,
-          jex.core.Literal(
-            np.asarray(loss_constant, first.aval.dtype), first.aval
-          ),
-        ],
-        [shifted],
-        jax.lax.add_p,
-        {},
-        jex.core.no_effects,
-      )
-    ]
-    owner[shifted] = owner[first]
-    loss_vars[0] = shifted
-  for v in loss_vars:
-    if _is_var(v) and v in owner:
-      exported[owner[v]].setdefault(v, None)
+  for v in sums:
+    exported[owner[v]].setdefault(v, None)
   for node, outs in enumerate(exported):
     for k, v in enumerate(outs):
       key_of[v] = f"node{node}:{k}"
-  programs = []
-  for node, group in enumerate(groups):
-    eqns = [jaxpr.eqns[i] for i in sorted(group)] + extra.get(node, [])
-    defined = {v for e in eqns for v in e.outvars}
-    invars = {}
-    for e in eqns:
-      for v in e.invars:
-        if _is_var(v) and v not in defined:
-          if v not in key_of:
-            raise CaptureError(
-              f"node {node} reads {v} defined by no node (internal "
-              "error: equations out of order)"
-            )
-          invars.setdefault(v, None)
-    outvars = list(exported[node])
-    effects = frozenset().union(*(e.effects for e in eqns))
-    in_keys = tuple(key_of[v] for v in invars)
-    out_keys = tuple(key_of[v] for v in outvars)
-    debug = jex.core.DebugInfo(
-      "graphpipe node", f"node{node}", in_keys, out_keys
+  nodes = [
+    sub_program(
+      [jaxpr.eqns[i] for i in sorted(group)],
+      key_of,
+      list(exported[node]),
+      f"node{node}",
     )
-    sub = jex.core.Jaxpr([], list(invars), outvars, eqns, effects, debug)
-    programs.append(
-      NodeProgram(jex.core.ClosedJaxpr(sub, []), in_keys, out_keys)
+    for node, group in enumerate(groups)
+  ]
+  terms = [(resolve(jaxpr, r), n) for r, n in form.penalties]
+  for k, (v, _) in enumerate(terms):
+    key_of.setdefault(v, f"penalty:{k}")
+  penalty_keys = {v: f"penalty:{k}" for k, (v, _) in enumerate(terms)}
+  penalties = {}
+  for node in sorted({n for _, n in terms}):
+    mine = [v for v, n in terms if n == node]
+    needed = _needed(jaxpr, form.penalty_eqns, mine)
+    keyed = {**key_of, **penalty_keys}
+    penalties[node] = sub_program(
+      [jaxpr.eqns[i] for i in needed], keyed, mine, f"penalties{node}"
     )
-  loss_keys = []
-  for v in loss_vars:
-    if not _is_var(v) or v not in key_of:
-      raise CaptureError(
-        "the loss does not depend on any computation of the model: "
-        "loss_fn must compute the loss from the model's outputs"
-      )
-    loss_keys.append(key_of[v])
-  return programs, consts, loss_keys
+  prepass = sub_program(
+    [jaxpr.eqns[i] for i in form.prepass], key_of, data, "prepass"
+  )
+  head_keys = {**key_of, **penalty_keys}
+  (loss,) = jaxpr.outvars
+  head_keys.setdefault(loss, "loss")
+  head = sub_program(
+    [jaxpr.eqns[i] for i in form.head], head_keys, [loss], "head"
+  )
+  producer = producers(jaxpr)
+  refs = {
+    key_of[v]: ref_of(jaxpr, producer, v) for outs in exported for v in outs
+  }
+  return Pieces(
+    nodes, refs, consts, [key_of[v] for v in sums], prepass, penalties, head
+  )
+
+
+def _needed(jaxpr, eqns, outvars) -> list[int]:
+  """The equations among `eqns` that `outvars` depend on."""
+  wanted = set(outvars)
+  picked = []
+  for i in sorted(eqns, reverse=True):
+    e = jaxpr.eqns[i]
+    if any(v in wanted for v in e.outvars):
+      picked.append(i)
+      wanted.update(v for v in e.invars if _is_var(v))
+  return sorted(picked)
 
 
 class Program:
-  """Executable node jaxprs of a captured graph, for any batch size.
+  """Executable pieces of a captured loss, for any batch size.
 
   Args:
     trace: batch size -> closed jaxpr of the loss at that size.
     input_keys: value keys of the loss jaxpr's inputs (variables, batch).
-    in_tree: the pytree structure of (params, state, batch) at capture.
     groups: equation indices of each node, nodes in topological order.
-    loss_terms: positions (equation, output) of the values whose sum is
-      the loss; None when the loss is the jaxpr's output.
-    loss_constant: constants the loss adds to those terms (`cut`).
+    form: the loss's form (`graphpipe.frontend.loss_form.LossForm`).
     batch_size: the batch size of `closed`.
     closed: the loss jaxpr at `batch_size`.
     flatten: (variables, batch) -> flat leaves in the order of input_keys.
     unflatten_params: parameter leaves in 'param:' key order -> the
       parameters as the user holds them (an nnx.State, a linen dict).
+
+  Attributes (at this batch size, `cut`): `nodes`, `consts`, `loss_keys`
+  (the sums over the batch each micro-batch adds to), `prepass` (the
+  batch's data statistics), `penalties` (per node, its parameter-only
+  terms) and `head` (the loss from those).
   """
 
   def __init__(
@@ -191,26 +224,27 @@ class Program:
     trace: Callable[[int], jex.core.ClosedJaxpr],
     input_keys: Sequence[str],
     groups: Sequence[Sequence[int]],
-    loss_terms: Sequence[tuple[int, int]] | None,
+    form: LossForm,
     batch_size: int,
     closed: jex.core.ClosedJaxpr,
     flatten: Callable,
     unflatten_params: Callable | None = None,
-    loss_constant: float = 0.0,
   ):
     self._trace = trace
     self.input_keys = tuple(input_keys)
     self.groups = tuple(tuple(g) for g in groups)
-    self.loss_terms = loss_terms
-    self.loss_constant = loss_constant
+    self.form = form
     self.batch_size = batch_size
     self.closed = closed
     self._flatten = flatten
     self._unflatten_params = unflatten_params
     self._signature = primitive_signature(closed.jaxpr)
-    self.nodes, self.consts, self.loss_keys = cut(
-      closed, self.input_keys, self.groups, loss_terms, loss_constant
-    )
+    pieces = cut(closed, self.input_keys, self.groups, form)
+    self.nodes, self.consts = pieces.nodes, pieces.consts
+    self.refs = pieces.refs
+    self.loss_keys = pieces.loss_keys
+    self.prepass, self.penalties = pieces.prepass, pieces.penalties
+    self.head = pieces.head
     self._by_size = {batch_size: self}
 
   def at_batch_size(self, batch_size: int) -> Program:
@@ -228,8 +262,7 @@ class Program:
       trace=self._trace,
       input_keys=self.input_keys,
       groups=self.groups,
-      loss_terms=self.loss_terms,
-      loss_constant=self.loss_constant,
+      form=self.form,
       batch_size=batch_size,
       closed=closed,
       flatten=self._flatten,
@@ -262,24 +295,40 @@ class Program:
     return self._unflatten_params([values[k] for k in keys])
 
   def evaluate(self, variables, batch):
-    """The loss, computed node by node (see OpGraph.evaluate)."""
+    """The loss, computed piece by piece (see OpGraph.evaluate)."""
     sizes = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
     if len(sizes) != 1:
       raise CaptureError(
         f"batch leaves disagree on the batch size: {sorted(sizes)}"
       )
     program = self.at_batch_size(sizes.pop())
-    env = program.run(program.flat_inputs(variables, batch))
-    return functools.reduce(operator.add, [env[k] for k in program.loss_keys])
+    return program.loss(program.run(program.flat_inputs(variables, batch)))
 
   def run(self, env: dict) -> dict:
-    """`env` (value keys of the inputs and constants) with every node's
-    outputs added, the nodes run in order."""
+    """`env` (value keys of the inputs and constants) with the batch's
+    data statistics (unless `env` holds them) and every node's outputs
+    added, the nodes run in order."""
     env = dict(env)
+    if self.prepass.outputs and self.prepass.outputs[0] not in env:
+      env.update(
+        zip(
+          self.prepass.outputs,
+          self.prepass(*[env[k] for k in self.prepass.inputs]),
+          strict=True,
+        )
+      )
     for node in self.nodes:
       outs = node(*[env[k] for k in node.inputs])
       env.update(zip(node.outputs, outs, strict=True))
     return env
+
+  def loss(self, env: dict):
+    """The loss from a run's `env`: penalties, then the head."""
+    env = dict(env)
+    for pieces in self.penalties.values():
+      outs = pieces(*[env[k] for k in pieces.inputs])
+      env.update(zip(pieces.outputs, outs, strict=True))
+    return self.head(*[env[k] for k in self.head.inputs])[0]
 
 
 def source_input(jaxpr, var) -> int | None:

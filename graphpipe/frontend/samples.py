@@ -130,6 +130,15 @@ def _probe(program, keys):
       if inputs[key] is None:
         return {}
   inputs.update(small.consts)
+  # The batch's data statistics are the same for every micro-batch (the
+  # runtime computes them once over the whole batch): held fixed here.
+  inputs.update(
+    zip(
+      small.prepass.outputs,
+      small.prepass(*[inputs[k] for k in small.prepass.inputs]),
+      strict=True,
+    )
+  )
 
   @jax.jit
   def run(env):  # one compilation: op by op, each op compiled on its own
@@ -348,121 +357,3 @@ def _nested(ea, eb, ins, report) -> list[int]:
 
 def _is_var(atom) -> bool:
   return not isinstance(atom, jex.core.Literal)
-
-
-def loss_gap(program, reduction: str) -> tuple[float, float] | None:
-  """(loss of two samples together, what the trainer would combine from
-  their own losses) where they differ, for `reduction` 'sum' (their sum)
-  or 'mean' (their mean).
-
-  The trainer combines micro-batches' losses: sums them ('sum'), or
-  weights each by its share of the batch ('mean'). That is the whole
-  batch's loss only where the loss is a sum (or a mean) over samples. A
-  batch-independent term under 'sum' (a weight penalty, a constant)
-  counts once per micro-batch; under 'mean', a loss normalised by
-  something the batch decides (a masked token mean, sum(ce * mask) /
-  sum(mask); a mean weighted by sum(w)), a statistic over the batch (a
-  contrastive loss, normalisation over the batch axis) or a plain sum
-  would come out silently wrong. Checked on made-up inputs at batch sizes
-  1 and 2 (the capture's b and 2 b where the model does not trace at 1),
-  the two samples made to differ (integers 0 and 1, a mask all true and
-  one half true; floats positive, then the second's of both signs); None
-  where the combination holds (to 1e-4) or the probe cannot run (an input
-  of a key type, non-finite losses).
-  """
-  done = _PROBED.setdefault(program, {})
-  if reduction not in done:
-    done[reduction] = _loss_gap(program, reduction)
-  return done[reduction]
-
-
-def _differing(aval, rng, second: bool, signed: bool):
-  """A made-up batch leaf for one of the two probe samples: floats in
-  [0.5, 1.5], for the second sample of a `signed` probe every other one
-  negated, starting with the first (a mask the model derives from a float,
-  `y > 0`, then keeps another count); integers 0, or 1 for the second;
-  booleans all true, or every other one true for the second, starting
-  false (a mask whose count differs, also where it is one flag a
-  sample)."""
-  pattern = np.arange(int(np.prod(aval.shape))).reshape(aval.shape) % 2
-  if aval.dtype == jnp.bool_:
-    if not second:
-      return jnp.ones(aval.shape, bool)
-    return jnp.asarray(pattern == 1)  # one sample's flag: false
-  value = _made_up(aval, rng)
-  if value is None or not second:
-    return value
-  if jnp.issubdtype(aval.dtype, jnp.integer):
-    return value + 1
-  if signed and jnp.issubdtype(aval.dtype, jnp.floating):
-    return jnp.where(jnp.asarray(pattern == 0), -value, value)
-  return value
-
-
-def _loss_gap(program, reduction):
-  one, two, _ = _at_two_sizes(program, 1)
-  both_sizes = _avals(one, two)
-  avals_one = {key: a for key, (a, _) in both_sizes.items()}
-  shapes_two = {key: shape for key, (_, shape) in both_sizes.items()}
-
-  def loss(prog):
-    @jax.jit
-    def run(env):
-      env = prog.run({**env, **prog.consts})
-      return sum(env[k].astype(jnp.float32) for k in prog.loss_keys)
-
-    return run
-
-  run_two, run_one = loss(two), loss(one)
-  # Computed in the model's own precision: a bfloat16 model rounds its sum
-  # to about 2^-8 (a per-sample sum was refused at 140 against 139.5).
-  tolerance = max(
-    [1e-4] + [_tolerance(aval.dtype, 1e-4) for aval in avals_one.values()]
-  )
-  # Positive floats first (logs and square roots stay finite), then the
-  # second sample's floats of both signs: a mask derived from a float
-  # (y > 0) kept every element of both samples, and a masked mean over it
-  # passed (the same jitted programs: no new compilation).
-  for signed in (False, True):
-    inputs = _probe_inputs(avals_one, shapes_two, signed)
-    if inputs is None:
-      return None  # a key-typed input: nothing to make up
-    shared, parts, both = inputs
-    whole = float(run_two(both))
-    combined = sum(float(run_one({**shared, **part})) for part in parts)
-    if reduction == "mean":
-      combined /= 2
-    if not (np.isfinite(whole) and np.isfinite(combined)):
-      continue  # the made-up inputs overflowed: no evidence
-    scale = max(abs(whole), abs(combined), 1e-6)
-    if abs(whole - combined) > tolerance * scale:
-      return whole, combined
-  return None
-
-
-def _probe_inputs(avals_one, shapes_two, signed):
-  """(values shared by both samples, each sample's batch, the two samples
-  as one batch), or None where an input cannot be made up."""
-  rng = np.random.default_rng(0)
-  shared, parts = {}, ({}, {})
-  for key, aval in avals_one.items():
-    if not key.startswith(("param:", "state:", "batch:")):
-      continue
-    if key.startswith("batch:"):
-      for k, part in enumerate(parts):
-        part[key] = _differing(aval, rng, second=k == 1, signed=signed)
-      if parts[0][key] is None:
-        return None
-    else:
-      shared[key] = _made_up(aval, rng)
-      if shared[key] is None:
-        return None
-  both = dict(shared)
-  for key in parts[0]:
-    axis = _batch_axis(avals_one[key].shape, shapes_two[key])
-    if axis is None:
-      both[key] = parts[0][key]  # read whole by both halves
-      parts[1][key] = parts[0][key]
-    else:
-      both[key] = jnp.concatenate([parts[0][key], parts[1][key]], axis)
-  return shared, parts, both

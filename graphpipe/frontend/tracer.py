@@ -21,17 +21,20 @@ from flax.core import unfreeze
 
 from graphpipe.core.graph import Edge, InputSpec, Node, OpGraph
 from graphpipe.errors import CaptureError, GraphCutError
-from graphpipe.frontend import node_costs
+from graphpipe.frontend import loss_form, node_costs
 from graphpipe.frontend.grouping import (
   Grouping,
   labels_of,
-  loss_terms,
   name_nodes,
   no_module_reason,
   runs,
   single_node_reason,
 )
-from graphpipe.frontend.program import Program, source_input
+from graphpipe.frontend.program import (
+  Program,
+  primitive_signature,
+  source_input,
+)
 from graphpipe.frontend.scopes import nnx_module_scopes, path_to_str
 
 
@@ -302,6 +305,13 @@ def capture(
     return closed
 
   closed = trace(batch_size)
+  large = trace(2 * batch_size)
+  if primitive_signature(large.jaxpr) != primitive_signature(closed.jaxpr):
+    raise CaptureError(
+      f"the loss traced at batch size {2 * batch_size} has a different "
+      f"structure than at {batch_size}: the model's Python code depends on "
+      "the batch size, so it cannot be cut into micro-batches"
+    )
   jaxpr = closed.jaxpr
   input_keys = (
     [f"param:{n}" for n in bound.param_names]
@@ -311,32 +321,30 @@ def capture(
   num_model_vars = len(bound.param_names) + len(bound.state_names)
   model_vars = set(jaxpr.invars[:num_model_vars])
   model_vars |= set(jaxpr.constvars)
+  form = loss_form.find(jaxpr, large.jaxpr, num_model_vars)
 
   labels = labels_of(jaxpr, bound.framework, depth)
-  module_eqns = [i for i, label in enumerate(labels) if label]
+  module_eqns = [i for i in form.body if labels[i]]
   if not module_eqns:
     raise GraphCutError(
       f"no equation of the loss ran inside a submodule of {bound.root}: "
       "the graph would be a single node. "
       + no_module_reason(jaxpr, bound.framework)
     )
-  grouping = Grouping(jaxpr, runs(labels), model_vars)
+  grouping = Grouping(jaxpr, runs(labels, form.body), model_vars)
   grouping.merge_intervals()
   grouping.inline_constants()
   grouping.topological()
-  terms, constant = loss_terms(jaxpr, grouping) or (None, 0.0)
-  if terms is not None:
-    grouping.groups.pop()
-    grouping.labels.pop()
   grouping.absorb_glue()
   grouping.topological()
   if len(grouping.groups) < 2:
     raise GraphCutError(
       f"the loss of {bound.root} forms a single node at granularity "
       f"{granularity!r}: "
-      + single_node_reason(jaxpr, labels, bound.param_names)
+      + single_node_reason(jaxpr, labels, bound.param_names, form.body)
     )
   groups = grouping.groups
+  form = loss_form.assign_penalties(form, jaxpr, num_model_vars, groups)
   names = name_nodes(
     grouping.labels, groups, min(module_eqns), max(module_eqns)
   )
@@ -345,8 +353,7 @@ def capture(
     trace=trace,
     input_keys=input_keys,
     groups=groups,
-    loss_terms=terms,
-    loss_constant=constant,
+    form=form,
     batch_size=batch_size,
     closed=closed,
     flatten=flatten_inputs,
@@ -370,6 +377,8 @@ def capture(
     root=bound.root,
     num_params=int(sum(np.prod(x.shape) for x in jax.tree.leaves(params_abs))),
     capture_time_s=time.perf_counter() - start,
+    loss_form=form.describe(),
+    whole_batch_only=form.unsplittable,
   )
   graph.model = name or bound.root
   graph.config = config

@@ -25,13 +25,15 @@ class Operands(NamedTuple):
   grad: jax.Array  # gradient stash
   res: jax.Array  # residual stash
   gacc: tuple  # accumulated parameter gradients, slots like `params`
-  loss: jax.Array  # accumulated loss
+  loss: jax.Array  # the loss's sums over the batch, accumulated
   forward: jax.Array  # the tick's forward: 0 none, 1 + i forward_devices[i]
   backward: jax.Array  # 0 none, 1 + i backward or fused branch i
   microbatch: jax.Array  # the action's micro-batch
   act_slot: jax.Array  # its slots in the three stashes
   grad_slot: jax.Array
   res_slot: jax.Array
+  seeds: jax.Array  # d loss / d sums: the backward's seed for the sums
+  statistics: dict  # the batch's data statistics ('global:k' keys)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,10 +38,12 @@ from graphpipe.errors import PipelineRuntimeError
 
 class FedBatch(NamedTuple):
   """A batch as the step takes it (`Trainer.put_batch`): per device, a row
-  of 32-bit words holding its own rows of its stage's leaves."""
+  of 32-bit words holding its own rows of its stage's leaves, and the
+  batch's data statistics the loss reads (the same on every device)."""
 
   words: jax.Array
   feeds: tuple  # the `DeviceFeed`s it was packed for
+  statistics: dict = {}  # 'global:k' -> a replicated array
 
 
 def put(
@@ -52,12 +54,14 @@ def put(
   num_words: int,
   sharding,
   packer=None,
+  statistics=None,
 ) -> FedBatch:
   """Checks `batch` against the graph's leaves and packs every device's
   row of a [devices, num_words] array with `sharding` (one row a device);
   each process packs only its own devices' rows. Leaves already on the
   mesh's devices (any sharding) are packed there by `packer`
-  (`device_packer`)."""
+  (`device_packer`). `statistics(leaves, on_mesh)` computes the batch's
+  data statistics from the leaves by name."""
   if isinstance(batch, FedBatch):
     if (
       batch.feeds != tuple(feeds)
@@ -101,7 +105,8 @@ def put(
     # leaf laid out over them in another order is moved onto the
     # trainer's mesh first (jit refuses devices in another order).
     host = {name: _in_mesh_order(x, sharding) for name, x in host.items()}
-    return FedBatch(packer(host), tuple(feeds))
+    stats = statistics(host, True) if statistics else {}
+    return FedBatch(packer(host), tuple(feeds), stats)
   host = {name: _host(x, name) for name, x in host.items()}
 
   def rows(index):
@@ -111,7 +116,44 @@ def put(
   return FedBatch(
     jax.make_array_from_callback((len(feeds), num_words), sharding, rows),
     tuple(feeds),
+    statistics(host, False) if statistics else {},
   )
+
+
+def statistics_of(program, replicated):
+  """f(leaves by name, on_mesh) -> the loss's data statistics of a whole
+  batch (a token count, a feature's largest value: the 'global:k' values
+  of `program.prepass`, `graphpipe.frontend.loss_form`) on every device of
+  `replicated`'s mesh; computed where the leaves are (on the mesh, or on
+  this process's first device from the host batch). None where the loss
+  reads none."""
+  prepass = program.prepass
+  if not prepass.outputs:
+    return None
+  names = sorted(
+    k[len("batch:") :] for k in prepass.inputs if k.startswith("batch:")
+  )
+
+  def compute(leaves):
+    env = {**program.consts, **{f"batch:{n}": leaves[n] for n in names}}
+    outs = prepass(*[env[k] for k in prepass.inputs])
+    return dict(zip(prepass.outputs, outs, strict=True))
+
+  on_mesh = jax.jit(compute, out_shardings=replicated)
+  on_host = jax.jit(compute)
+
+  def replicate(value: np.ndarray) -> jax.Array:
+    return jax.make_array_from_callback(
+      value.shape, replicated, lambda _: value
+    )
+
+  def statistics(leaves, mesh: bool) -> dict:
+    leaves = {n: leaves[n] for n in names}
+    if mesh:
+      return on_mesh(leaves)
+    return {k: replicate(np.asarray(v)) for k, v in on_host(leaves).items()}
+
+  return statistics
 
 
 def device_packer(feeds: Sequence[DeviceFeed], num_words: int, sharding):

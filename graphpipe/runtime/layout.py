@@ -194,6 +194,18 @@ def _check_sample_rows(program: Program, crossings) -> None:
   """Values cut or joined between chunks of other sizes must hold each
   sample's rows as one block (`graphpipe.frontend.samples`)."""
   crossings = sorted(crossings)
+  apart = dict(program.form.apart)
+  for key, src, dst in crossings:
+    why = apart.get(program.refs.get(key))
+    if why:
+      raise PipelineRuntimeError(
+        f"value {key} goes from stage {src} to stage {dst}, which takes "
+        "chunks of another size, but it does not hold each sample's rows "
+        f"together along its batch axis: {why}. Keep the batch axis "
+        "sample-major where a value leaves a stage ((B, T, ...) -> "
+        "(B * T, ...)), or keep such values inside one stage"
+      )
+  # A second line of defence: the same on made-up inputs.
   mixed = samples.mixed_values(program, {key for key, _, _ in crossings})
   for key, src, dst in crossings:
     if key in mixed:
@@ -288,7 +300,7 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
         "deterministically"
       )
   key_avals = {}
-  for node in base.nodes:
+  for node in [*base.nodes, *base.penalties.values()]:
     for key, aval in zip(node.inputs, node.input_avals(), strict=True):
       key_avals[key] = aval
 
@@ -354,7 +366,14 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
   stages = []
   loss_keys = set(base.loss_keys)
   for s in plan.stages:
-    reads = [k for n in s.nodes for k in base.nodes[n].inputs]
+    # A stage holds what its nodes read, and what the loss's penalty
+    # terms its nodes own read (a penalty on a parameter no layer uses).
+    reads = [k for n in s.nodes for k in base.nodes[n].inputs] + [
+      k
+      for n in s.nodes
+      if n in base.penalties
+      for k in base.penalties[n].inputs
+    ]
     produced = [k for n in s.nodes for k in base.nodes[n].outputs]
     stages.append(
       StageLayout(

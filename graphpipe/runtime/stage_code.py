@@ -1,10 +1,13 @@
 """A stage's code: its node jaxprs as one function, and its residuals.
 
 `StageCode.stage_function(stage)` runs a stage's nodes on a block of its
-input edge matrices and the batch rows, and returns its output edge
-matrices (flat) and its loss. `_vjp_parts` is that function's VJP with the
-residual policy of the runtime: outputs of matrix products are kept, the
+input edge matrices and the batch rows (with the batch's data statistics,
+`global:` keys), and returns its output edge matrices (flat) and its part
+of the loss's sums over the batch, placed in the vector of all sums
+(`SumLayout`). `_vjp_parts` is that function's VJP with the residual
+policy of the runtime: outputs of matrix products are kept, the
 elementwise work between them is recomputed in the backward.
+The loss's once-per-step pieces are `graphpipe.runtime.loss_terms`'.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from graphpipe.frontend.node_costs import save_products
 from graphpipe.frontend.program import Program
 from graphpipe.runtime import packing
 from graphpipe.runtime.layout import Layout
+from graphpipe.runtime.loss_terms import LossTerms
 
 
 class StageCode:
@@ -27,18 +31,23 @@ class StageCode:
   Args:
     layout: the static layout (stages, edges, transfers).
     program: the captured program (node jaxprs), re-traced per chunk size.
+    batch_size: the mini-batch's size (the head divides by it).
   """
 
-  def __init__(self, layout: Layout, program: Program):
+  def __init__(self, layout: Layout, program: Program, batch_size: int):
     self.layout = layout
     self.programs = {
       s.chunk: program.at_batch_size(s.chunk) for s in layout.stages
     }
+    self.whole = program.at_batch_size(batch_size)
     self.consts = program.consts
     self._residual_avals = {}
+    self.terms = LossTerms(self.whole, layout)
 
   def stage_function(self, stage: int):
-    """f(params, acts_block, batch_rows) -> (outputs block, loss)."""
+    """f(params, acts_block, batch_rows) -> (outputs block, sums): the
+    stage's part of the loss's sums in the vector of all (`terms.sums`);
+    `batch_rows` holds the data statistics too."""
     s = self.layout.stages[stage]
     program = self.programs[s.chunk]
     edges = self.layout.edges
@@ -72,10 +81,7 @@ class StageCode:
         node = program.nodes[n]
         outs = node(*[env[k] for k in node.inputs])
         env.update(zip(node.outputs, outs, strict=True))
-      loss = sum(
-        (env[k].astype(jnp.float32) for k in s.loss_keys),
-        jnp.zeros((), jnp.float32),
-      )
+      loss = self.terms.sums.pack({k: env[k] for k in s.loss_keys})
       blocks = {}
       for e in s.out_edges:
         if not edges[e].token:
@@ -110,6 +116,10 @@ class StageCode:
         if k.startswith("batch:"):
           batch_avals[k] = jax.ShapeDtypeStruct(a.shape, a.dtype)
     batch = {k: batch_avals[k] for k in s.batch}
+    batch.update(
+      (k, jax.ShapeDtypeStruct(a.shape, a.dtype))
+      for k, a in self.terms.statistic_avals.items()
+    )
     return params, acts, batch
 
   def _vjp_parts(self, stage, params, acts, batch):

@@ -1,24 +1,33 @@
 """The pipelined training step: one SPMD program over a 1-D device mesh.
 
+    penalties, seeds <- parameters, the batch's data statistics
     for tick in tables:                          # lax.scan over ticks
       write what arrived last tick into the activation / gradient stashes
       if forward[tick, my_device]:               # e.g. 2F0
         switch to my device's forward:           # each device its own code
           inputs <- activation stash, batch rows
-          outputs, loss <- the stage's node jaxprs
+          outputs, sums <- the stage's node jaxprs
           sends <- rows of each output edge matrix, for the successors
         residuals (outputs of matrix products) -> residual stash
       if backward[tick, my_device]:              # e.g. 2B0, or 2F0+2B0 fused
         switch to my device's backward:
-          cotangents <- gradient stash (sent by successors' B)
+          cotangents <- gradient stash (sent by successors' B), seeds
           grads of params and of inputs <- VJP of the stage
           sends <- rows of the input gradients, for the predecessors
         gradient slots += grads of params
       if anything is sent at this tick:          # the same on all devices
         for channel in channels:                 # fixed permutations
           inbox[channel] = lax.ppermute(sends[channel])  # fan-out / fan-in
-    gradients: ring all-reduce over each data-parallel stage's devices
-    loss: psum; optimizer: optax on each device's parameter slots
+    sums: psum; loss = head(sums, data statistics, penalties)
+    gradients: (scaled by d loss / d sums where the head is not affine)
+      + the penalties' gradients, ring all-reduce over each data-parallel
+      stage's devices; optimizer: optax on each device's parameter slots
+
+Before the loop, each stage's first device computes the loss's
+parameter-only terms (penalties) it owns, and every device the seed of
+the backward, d loss / d sums (`graphpipe.frontend.loss_form`): where the
+head is affine in the sums it does not depend on them; a single sum under
+another function is seeded with 1 and the gradients scaled at the end.
 
 Every per-device difference lives in static tables indexed by tick and
 device, so the scan body is one program. What a device computes at tick t
@@ -51,7 +60,6 @@ from jax import lax
 from graphpipe.core.feed import device_feeds, feed_words
 from graphpipe.core.graph import InputSpec
 from graphpipe.errors import PipelineRuntimeError
-from graphpipe.frontend import samples
 from graphpipe.frontend.program import Program
 from graphpipe.runtime import feed, packing, reduce, slots
 from graphpipe.runtime.buffers import Buffers, Operands
@@ -86,7 +94,6 @@ class StepBuilder(StageCode):
     program: the captured program (node jaxprs), re-traced per chunk size.
     recompute: recompute each stage's forward in its backward (stash only
       the stage inputs) instead of stashing the forward's residuals.
-    loss_reduction: 'mean' (the loss averages over samples) or 'sum'.
     batch_size: samples of the mini-batch.
     inputs: the graph's batch leaves (`OpGraph.inputs`), for the feeds.
   """
@@ -98,23 +105,23 @@ class StepBuilder(StageCode):
     program: Program,
     *,
     recompute: bool = False,
-    loss_reduction: str = "mean",
     batch_size: int,
     inputs: Sequence[InputSpec],
   ):
-    if loss_reduction not in ("mean", "sum"):
+    why = program.form.unsplittable
+    if why and any(
+      s.chunk < batch_size or s.size < batch_size for s in layout.stages
+    ):
       raise PipelineRuntimeError(
-        f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}"
+        "the plan splits the batch (micro-batches or data-parallel "
+        "replicas), but the loss is exact only on the whole batch at once: "
+        f"{why}. Use a plan with one micro-batch of the whole batch on one "
+        "device per stage, or compute such terms per sample"
       )
-    if any(s.chunk < batch_size for s in layout.stages):
-      gap = samples.loss_gap(program, loss_reduction)
-      if gap is not None:
-        raise PipelineRuntimeError(_combination_error(loss_reduction, gap))
     self.schedule = schedule
     self.recompute = recompute
-    self.loss_reduction = loss_reduction
     self.batch_size = batch_size
-    super().__init__(layout, program)
+    super().__init__(layout, program, batch_size)
     self.device_stage = layout.stage_of_device()
     self.feeds = device_feeds(
       inputs,
@@ -168,20 +175,15 @@ class StepBuilder(StageCode):
 
   # The per-device branches.
 
-  def _loss_weight(self, stage) -> float:
-    s = self.layout.stages[stage]
-    if self.loss_reduction == "sum":
-      return 1.0
-    return s.chunk / self.batch_size
-
   def _read_variables(self, ops, stage):
     """(trainable, frozen) values of `stage` from the device's slots."""
+    return self._stage_variables(ops.params, ops.state, stage)
+
+  def _stage_variables(self, params, state, stage):
     s, shapes = self.layout.stages[stage], self.layout.param_shapes
     return (
-      slots.read(ops.params, self.buffers.params, stage, s.params, shapes),
-      slots.read(
-        ops.state, self.buffers.state, stage, s.state, shapes, bits=True
-      ),
+      slots.read(params, self.buffers.params, stage, s.params, shapes),
+      slots.read(state, self.buffers.state, stage, s.state, shapes, bits=True),
     )
 
   def _batch_rows(self, stage, device, batch, mb):
@@ -216,10 +218,11 @@ class StepBuilder(StageCode):
     return sends
 
   def _stage_inputs(self, ops, stage, device):
-    """A stage's trainable and frozen variables and its batch rows."""
+    """A stage's trainable and frozen variables and its batch rows (with
+    the batch's data statistics)."""
     trainable, frozen = self._read_variables(ops, stage)
     rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
-    return trainable, frozen, rows
+    return trainable, frozen, {**rows, **ops.statistics}
 
   def _stage_acts(self, ops, stage):
     """A stage's input activations, read from this tick's stash slot."""
@@ -231,7 +234,6 @@ class StepBuilder(StageCode):
     stage = self.device_stage[device]
     buf = self.buffers
     out_offsets = self.layout.out_offsets(stage)
-    weight = self._loss_weight(stage)
     f = self.stage_function(stage)
 
     def branch(ops):
@@ -248,17 +250,15 @@ class StepBuilder(StageCode):
           packing.pack_leaves([leaves[i] for i in keep]), buf.res_slot
         )
       sends = self._sends(device, out, out_offsets, forward=True)
-      return kept, weight * stage_loss, sends
+      return kept, stage_loss, sends
 
     return branch
 
   def _backward_branch(self, device):
     stage = self.device_stage[device]
     lay, buf = self.layout, self.buffers
-    s = lay.stages[stage]
     in_size, out_size = lay.in_size(stage), lay.out_size(stage)
     in_offsets = lay.in_offsets(stage)
-    weight = self._loss_weight(stage) if s.loss_keys else 0.0
     f = self.stage_function(stage)
 
     def branch(ops):
@@ -287,12 +287,10 @@ class StepBuilder(StageCode):
       cotangent = lax.dynamic_slice_in_dim(
         ops.grad, ops.grad_slot * buf.grad_slot, out_size
       )
-      grad_params, grad_acts = vjp(
-        (cotangent, jnp.asarray(weight, jnp.float32))
-      )
+      grad_params, grad_acts = vjp((cotangent, ops.seeds))
       updates = slots.scatter(buf.params, stage, grad_params)
       sends = self._sends(device, grad_acts, in_offsets, forward=False)
-      return updates, jnp.zeros((), jnp.float32), sends
+      return updates, jnp.zeros_like(ops.loss), sends
 
     return branch
 
@@ -301,7 +299,6 @@ class StepBuilder(StageCode):
     stage = self.device_stage[device]
     buf = self.buffers
     in_offsets = self.layout.in_offsets(stage)
-    weight = self._loss_weight(stage)
     f = self.stage_function(stage)
 
     def branch(ops):
@@ -310,12 +307,10 @@ class StepBuilder(StageCode):
       (out, stage_loss), vjp = jax.vjp(
         lambda p, a: f({**p, **frozen}, a, rows), trainable, acts
       )
-      grad_params, grad_acts = vjp(
-        (jnp.zeros_like(out), jnp.asarray(weight, jnp.float32))
-      )
+      grad_params, grad_acts = vjp((jnp.zeros_like(out), ops.seeds))
       updates = slots.scatter(buf.params, stage, grad_params)
       sends = self._sends(device, grad_acts, in_offsets, forward=False)
-      return updates, weight * stage_loss, sends
+      return updates, stage_loss, sends
 
     return branch
 
@@ -364,12 +359,29 @@ class StepBuilder(StageCode):
 
   # The body.
 
-  def gradients_and_loss(self, params, state, batch):
-    """Inside shard_map: this device's reduced gradients and the loss."""
+  def gradients_and_loss(self, params, state, batch, statistics):
+    """Inside shard_map: this device's reduced gradients and the loss.
+
+    Args:
+      params, state: this device's variable slots.
+      batch: its batch words (`graphpipe.runtime.feed`).
+      statistics: the batch's data statistics ('global:k' keys, the same
+        on every device).
+    """
     buf = self.buffers
     me = lax.axis_index(AXIS)
     forward, backward = self.forward_step(), self.backward_step()
     tables = {k: jnp.asarray(v) for k, v in self.tables.items()}
+    terms = self.terms
+
+    def variables(stage):
+      return self._stage_variables(params, state, stage)
+
+    penalties = lax.psum(
+      terms.penalties(self.device_stage, me, variables), AXIS
+    )
+    head = terms.head_function(statistics)
+    seeds = terms.seeds(head, penalties)
 
     def write(buffer, data, start, length, enable):
       window = lax.dynamic_slice_in_dim(buffer, start, buf.channel)
@@ -425,6 +437,8 @@ class StepBuilder(StageCode):
         mine["act_slot"],
         mine["grad_slot"],
         mine["res_slot"],
+        seeds,
+        statistics,
       )
       res, loss, forward_sends = forward(ops)
       gacc, loss, backward_sends = backward(ops._replace(res=res, loss=loss))
@@ -446,41 +460,26 @@ class StepBuilder(StageCode):
       zeros(buf.grad_slot * buf.grad_slots + buf.channel),
       zeros(buf.res_slot * buf.res_slots),
       tuple(zeros(n) for n in buf.params.sizes),
-      jnp.zeros((), jnp.float32),
+      zeros(self.terms.sums.size),
       jnp.zeros((buf.channels, buf.channel), jnp.float32),
     )
-    (_, _, _, gacc, loss, _), _ = lax.scan(tick, carry, tables)
-    return self._reduce_replicas(gacc), lax.psum(loss, AXIS)
+    (_, _, _, gacc, sums, _), _ = lax.scan(tick, carry, tables)
+    loss, head_vjp = jax.vjp(head, lax.psum(sums, AXIS), penalties)
+    grad_sums, grad_penalties = head_vjp(jnp.ones((), jnp.float32))
+    if terms.mode == "scaled":
+      gacc = tuple(g * grad_sums[0] for g in gacc)
+    penalty_grads = terms.penalty_grads(
+      self.device_stage,
+      me,
+      variables,
+      grad_penalties,
+      lambda stage, grads: slots.scatter(buf.params, stage, grads),
+      tuple(jnp.zeros((n,), jnp.float32) for n in buf.params.sizes),
+    )
+    gacc = tuple(g + p for g, p in zip(gacc, penalty_grads, strict=True))
+    return self._reduce_replicas(gacc), loss
 
   def _reduce_replicas(self, gacc):
     """Sums gradients over each data-parallel stage's devices (a ring)."""
     groups = [s.devices for s in self.layout.stages]
     return reduce.ring_sum(gacc, groups, self.layout.num_devices, AXIS)
-
-
-def _combination_error(reduction: str, gap: tuple[float, float]) -> str:
-  """Why a loss cannot be combined from micro-batches (`samples.loss_gap`)."""
-  whole, combined = gap
-  if reduction == "sum":
-    return (
-      "loss_reduction='sum' needs a loss that sums over samples, but on "
-      f"made-up inputs two samples' loss is {whole:.6g} and the sum of "
-      f"their own losses {combined:.6g}: a term that does not grow with "
-      "the batch (a weight penalty, a constant) would count once per "
-      "micro-batch. Use loss_reduction='mean' with a mean loss, or scale "
-      "such terms by the batch's share"
-    )
-  hint = ""
-  if abs(whole - 2 * combined) <= 1e-4 * abs(whole):
-    hint = " It looks like a sum over samples: pass loss_reduction='sum'."
-  return (
-    "the plan splits the batch, and the trainer weights each part's loss "
-    "by its share of the batch, which needs a loss that is a mean over "
-    f"samples; on made-up inputs two samples' loss is {whole:.6g} and the "
-    f"mean of their own losses {combined:.6g}. A loss normalised by "
-    "something the batch decides (a masked token mean sum(ce * mask) / "
-    "sum(mask), a mean weighted by sum(w)) or computed across samples (a "
-    "contrastive loss, statistics over the batch axis) would come out "
-    "wrong. Normalise by a constant (e.g. the batch's largest token "
-    "count) or per sample, or use a plan that does not split the batch." + hint
-  )

@@ -99,8 +99,8 @@ class Trainer:
     schedule: '1f1b' or 'gpipe' (default: the plan's), or a `Schedule`.
     recompute: recompute each stage's forward in its backward instead of
       stashing the forward's residuals (less memory, more compute).
-    loss_reduction: 'mean' if the loss averages per-sample losses (the
-      usual), 'sum' if it sums them.
+    loss_reduction: no longer used: how the loss combines micro-batches
+      is read from its program (`OpGraph.loss_form`); giving it raises.
     stop_on_nan: raise when the loss is not finite (else only flag it;
       either way the step is skipped, see `step`).
   """
@@ -114,9 +114,16 @@ class Trainer:
     graph: OpGraph | None = None,
     schedule=None,
     recompute: bool = False,
-    loss_reduction: str = "mean",
+    loss_reduction: str | None = None,
     stop_on_nan: bool = False,
   ):
+    if loss_reduction is not None:
+      raise PipelineRuntimeError(
+        "loss_reduction is no longer needed: the trainer reads how the "
+        "loss combines micro-batches (sums over the batch, data statistics "
+        "such as token counts, parameter-only terms) from its program "
+        "(graph.loss_form); drop the argument"
+      )
     graph, mesh = guards.trainer_inputs(plan, optimizer, graph, mesh, AXIS)
     self.plan, self.graph, self.optimizer = plan, graph, optimizer
     self.stop_on_nan = stop_on_nan
@@ -135,7 +142,6 @@ class Trainer:
       schedule,
       graph.program,
       recompute=recompute,
-      loss_reduction=loss_reduction,
       batch_size=plan.batch_size,
       inputs=graph.inputs,
     )
@@ -143,6 +149,8 @@ class Trainer:
     self._rows = NamedSharding(self.mesh, P(AXIS))
     self._replicated = NamedSharding(self.mesh, P())
     self._packer = None  # packs batches already on the mesh (put_batch)
+    # The loss's data statistics of a whole batch (put_batch).
+    self._statistics = feed.statistics_of(self.builder.whole, self._replicated)
     # One compiled program serves training and verification: it returns
     # the reduced gradients beside the new state. It takes over the state
     # it is given, so that XLA updates parameters and optimizer state in
@@ -165,15 +173,15 @@ class Trainer:
     return jax.shard_map(
       fn,
       mesh=self.mesh,
-      in_specs=(state_spec, P(AXIS)),
+      in_specs=(state_spec, P(AXIS), P()),
       out_specs=(state_spec, P(), P(AXIS)),
       check_vma=False,
     )
 
-  def _train_step(self, ts: TrainState, batch):
+  def _train_step(self, ts: TrainState, batch, statistics):
     params = _local(ts.params)
     grads, loss = self.builder.gradients_and_loss(
-      params, _local(ts.state), batch[0]
+      params, _local(ts.state), batch[0], statistics
     )
     updates, opt_state = self.optimizer.update(
       grads, _local(ts.opt_state), params
@@ -243,13 +251,13 @@ class Trainer:
     `PipelineRuntimeError` instead, the unchanged state in its `.state`.
     """
     guards.check_state(state, self._expected_state, self.mesh)
-    batch = self.put_batch(batch).words
+    fed = self.put_batch(batch)
     die_at = faults.armed("step")
     if die_at is not None and die_at == int(_first_shard(state.step)):
-      self._step(state, batch)
+      self._step(state, fed.words, fed.statistics)
       faults.die()
     with guards.peers_checked():
-      new, metrics, _ = self._step(state, batch)
+      new, metrics, _ = self._step(state, fed.words, fed.statistics)
       loss = float(_first_shard(metrics["loss"]))
     metrics = {"loss": loss, "finite": bool(np.isfinite(loss))}
     if self.stop_on_nan and not metrics["finite"]:
@@ -266,7 +274,8 @@ class Trainer:
     guards.check_state(state, self._expected_state, self.mesh)
     # The step consumes its state; it gets a copy, so `state` stays usable.
     state = jax.tree.map(jnp.copy, state)
-    _, metrics, grads = self._step(state, self.put_batch(batch).words)
+    fed = self.put_batch(batch)
+    _, metrics, grads = self._step(state, fed.words, fed.statistics)
     return float(_first_shard(metrics["loss"])), self._gather(grads)
 
   def params(self, state: TrainState) -> dict:
@@ -358,8 +367,8 @@ class Trainer:
 
   def compiled(self, state: TrainState, batch):
     """The compiled train step (for memory and cost analysis)."""
-    batch = self.put_batch(batch).words
-    return self._step.lower(state, batch).compile()
+    fed = self.put_batch(batch)
+    return self._step.lower(state, fed.words, fed.statistics).compile()
 
   def memory_report(self, state: TrainState | None = None, batch=None) -> dict:
     """Per-device bytes by kind, predicted before anything is allocated.
@@ -447,6 +456,7 @@ class Trainer:
       self.buffers.feed,
       self._rows,
       self._packer,
+      self._statistics,
     )
 
   def _gather(self, rows: tuple) -> dict:

@@ -165,21 +165,6 @@ ROWS = [
     CaptureError,
     "jax.grad of loss_fn must work",
   ),
-  # A penalty over every parameter in the loss ties every module to the
-  # loss's code; the message spoke of a shared parameter to untie.
-  (
-    "capture-params-read-in-the-loss",
-    lambda c: graphpipe.capture(
-      lambda m, b: (
-        loss_fn(m, b)
-        + sum(jnp.sum(p**2) for p in jax.tree.leaves(nnx.state(m, nnx.Param)))
-      ),
-      mlp(),
-      BATCH,
-    ),
-    GraphCutError,
-    "optax.add_decayed_weights",
-  ),
   (
     # A tied embedding read through attend() (a method other than
     # __call__) was blamed on a weight penalty; the message names the

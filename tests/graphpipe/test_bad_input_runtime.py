@@ -79,12 +79,12 @@ ROWS = [
     "optax GradientTransformation",
   ),
   (
-    "trainer-loss-reduction-unknown",
+    "trainer-loss-reduction-given",
     lambda c: graphpipe.Trainer(
-      c.plan, optax.sgd(0.1), graph=c.graph, loss_reduction="avg"
+      c.plan, optax.sgd(0.1), graph=c.graph, loss_reduction="sum"
     ),
     PipelineRuntimeError,
-    "'mean' or 'sum'",
+    "loss_reduction is no longer needed",
   ),
   (
     "trainer-schedule-unknown",
