@@ -11,6 +11,7 @@ from flax import nnx
 
 from graphpipe import models, plan, tightest_plan
 from graphpipe.core.memory import SHAPE_KINDS, plan_memory
+from graphpipe.core.stages import Plan, Stage, in_flight_counts
 from graphpipe.costs import device_spec
 from graphpipe.models import capture_zoo
 
@@ -132,3 +133,25 @@ def assert_trains_exactly(name, trainer, model, batches, optimizer):
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   assert max_rel_error(trainer.params(state), want_params) < 1e-5
   return state, want_params
+
+
+def manual_plan(graph, groups, micro_batch, batch_size):
+  """A 1F1B plan of stages given as (node list, device list) pairs, every
+  stage taking micro-batches of `micro_batch`."""
+  owner = {n: i for i, (nodes, _) in enumerate(groups) for n in nodes}
+  edges = tuple(
+    sorted(
+      {
+        (owner[e.src], owner[e.dst])
+        for e in graph.edges
+        if owner[e.src] != owner[e.dst]
+      }
+    )
+  )
+  flight = in_flight_counts(len(groups), edges)
+  stages = tuple(
+    Stage(i, tuple(nodes), tuple(devices), micro_batch, flight[i])
+    for i, (nodes, devices) in enumerate(groups)
+  )
+  used = sum(len(d) for _, d in groups)
+  return Plan("manual", stages, edges, batch_size, used)

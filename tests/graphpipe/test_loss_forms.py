@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphpipe
-from graphpipe.core.stages import Plan, Stage, in_flight_counts
 from graphpipe.errors import CaptureError, GraphpipeError, PipelineRuntimeError
+from tests.graphpipe import runtime_cases as rc
 
 BATCH = 8
 CLASSES = 5
@@ -80,23 +80,7 @@ def params_of(m):
 
 
 def plan_of(graph, groups, micro_batch):
-  """Stages of (node list, device list) pairs, 1F1B."""
-  owner = {n: i for i, (nodes, _) in enumerate(groups) for n in nodes}
-  edges = tuple(
-    sorted(
-      {
-        (owner[e.src], owner[e.dst])
-        for e in graph.edges
-        if owner[e.src] != owner[e.dst]
-      }
-    )
-  )
-  flight = in_flight_counts(len(groups), edges)
-  stages = tuple(
-    Stage(i, tuple(nodes), tuple(devices), micro_batch, flight[i])
-    for i, (nodes, devices) in enumerate(groups)
-  )
-  return Plan("manual", stages, edges, BATCH, sum(len(d) for _, d in groups))
+  return rc.manual_plan(graph, groups, micro_batch, BATCH)
 
 
 def rest(graph):

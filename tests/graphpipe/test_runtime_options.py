@@ -11,8 +11,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import graphpipe
-from graphpipe.core.stages import Plan, Stage, in_flight_counts
 from graphpipe.errors import GraphpipeError
+from tests.graphpipe import runtime_cases as rc
 
 BATCH = 8
 
@@ -60,23 +60,7 @@ def batch_of(seed):
 
 def manual_plan(graph, groups, micro_batch=2):
   """Stages of `groups` (node lists, device lists), 1F1B."""
-  owner = {v: i for i, (nodes, _) in enumerate(groups) for v in nodes}
-  edges = tuple(
-    sorted(
-      {
-        (owner[e.src], owner[e.dst])
-        for e in graph.edges
-        if owner[e.src] != owner[e.dst]
-      }
-    )
-  )
-  flight = in_flight_counts(len(groups), edges)
-  stages = tuple(
-    Stage(i, tuple(nodes), tuple(devices), micro_batch, flight[i])
-    for i, (nodes, devices) in enumerate(groups)
-  )
-  used = sum(len(d) for _, d in groups)
-  return Plan("manual", stages, edges, BATCH, used)
+  return rc.manual_plan(graph, groups, micro_batch, BATCH)
 
 
 def reference(model, loss_fn, batch, graph):
