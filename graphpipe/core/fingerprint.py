@@ -32,6 +32,8 @@ def graph_fingerprint(graph: OpGraph) -> str:
     "edges": [dataclasses.asdict(e) for e in graph.edges],
     "loss_nodes": list(graph.loss_nodes),
   }
+  if graph.shared:
+    data["shared"] = graph.shared
   text = json.dumps(data, sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Sequence
 from typing import Any
 
+from graphpipe.core.files import (
+  EDGE_FIGURES,
+  NODE_FIGURES,
+  check_figures,
+  read_json,
+)
 from graphpipe.errors import GraphError, GraphFormatError, NodeNotFoundError
 
 FORMAT_VERSION = 2
@@ -138,6 +143,10 @@ class OpGraph:
     model, config: descriptive names (free text).
     program: the executable pieces, when the graph was captured.
     meta: free-form facts about the capture (granularity, framework, ...).
+    shared: bytes of each variable several nodes read ('param:<path>' or
+      'state:<path>' -> bytes): a tied embedding, a bias every layer adds.
+      Each stage holding a reader holds a copy (`variable_bytes`); the
+      runtime sums the copies' gradients.
   """
 
   def __init__(
@@ -152,6 +161,7 @@ class OpGraph:
     config: str = "",
     program: Any = None,
     meta: dict | None = None,
+    shared: dict | None = None,
   ):
     self.nodes = tuple(nodes)
     self.edges = tuple(edges)
@@ -164,7 +174,14 @@ class OpGraph:
     self.config = config
     self.program = program
     self.meta = dict(meta or {})
+    self.shared = dict(shared or {})
     self._validate()
+    self._readers = {
+      key: tuple(
+        n.id for n in self.nodes if key.partition(":")[2] in _names(n, key)
+      )
+      for key in self.shared
+    }
     self._succ = {n.id: [] for n in self.nodes}
     self._pred = {n.id: [] for n in self.nodes}
     for e in self.edges:
@@ -190,6 +207,53 @@ class OpGraph:
     for i in self.loss_nodes:
       if not 0 <= i < len(ids):
         raise GraphError(f"loss node {i} is not a node of the graph")
+    for key, size in self.shared.items():
+      kind, _, name = key.partition(":")
+      readers = [n for n in self.nodes if name in _names(n, key)]
+      if (
+        kind not in ("param", "state")
+        or len(readers) < 2
+        or not (isinstance(size, int | float) and size >= 0)
+      ):
+        raise GraphError(
+          f"shared variable {key!r} ({size!r} bytes) is not a 'param:' or "
+          "'state:' variable of at least two nodes with a size >= 0"
+        )
+
+  def shared_readers(self) -> dict[str, tuple[int, ...]]:
+    """Each shared variable ('param:<path>', 'state:<path>') -> the nodes
+    that read it."""
+    return dict(self._readers)
+
+  def variable_bytes(self, nodes, kind: str = "param") -> int:
+    """Bytes of the parameters ('param') or non-trainable variables
+    ('state') a stage of `nodes` holds: a variable several of them read
+    counts once (its readers' `param_bytes` each include it)."""
+    nodes = list(nodes)
+    field = "param_bytes" if kind == "param" else "state_bytes"
+    total = sum(getattr(self.nodes[n], field) for n in nodes)
+    if self.shared:
+      inside = set(nodes)
+      for key, readers in self._readers.items():
+        if key.startswith(kind + ":"):
+          count = sum(n in inside for n in readers)
+          if count > 1:
+            total -= (count - 1) * self.shared[key]
+    return total
+
+  def exchanged_bytes(self, stage_nodes) -> int:
+    """Bytes of shared parameters held by more than one of the stages
+    (`stage_nodes`: each stage's nodes): their gradients are summed
+    across the holders every step."""
+    if not self.shared:
+      return 0
+    total = 0
+    for key, readers in self._readers.items():
+      if key.startswith("param:"):
+        holders = sum(any(n in readers for n in nodes) for nodes in stage_nodes)
+        if holders > 1:
+          total += self.shared[key]
+    return total
 
   @property
   def loss_form(self) -> str:
@@ -256,6 +320,9 @@ class OpGraph:
       "state_bytes",
     )
     out = {f: sum(getattr(n, f) for n in self.nodes) for f in fields}
+    everything = range(len(self.nodes))
+    out["param_bytes"] = self.variable_bytes(everything, "param")
+    out["state_bytes"] = self.variable_bytes(everything, "state")
     out["num_params"] = self.meta.get("num_params", 0)
     out["num_nodes"] = len(self.nodes)
     out["num_edges"] = len(self.edges)
@@ -314,6 +381,7 @@ class OpGraph:
       "edges": [dataclasses.asdict(e) for e in self.edges],
       "totals": self.totals(),
       "meta": self.meta,
+      "shared": self.shared,
     }
 
   @classmethod
@@ -341,8 +409,8 @@ class OpGraph:
         for n in data["nodes"]
       ]
       edges = [Edge(**e) for e in data["edges"]]
-      _check_figures(data["nodes"], _NODE_FIGURES, "node")
-      _check_figures(data["edges"], _EDGE_FIGURES, "edge")
+      check_figures(data["nodes"], NODE_FIGURES, "node")
+      check_figures(data["edges"], EDGE_FIGURES, "edge")
       if not nodes:
         raise GraphFormatError("the graph file has no nodes")
       inputs = [
@@ -358,6 +426,7 @@ class OpGraph:
         model=data.get("model", ""),
         config=data.get("config", ""),
         meta=data.get("meta", {}),
+        shared=data.get("shared", {}),
       )
     except (KeyError, TypeError) as err:
       raise GraphFormatError(f"not a graphpipe graph file: {err!r}") from err
@@ -419,49 +488,5 @@ class OpGraph:
     return self._require_program().evaluate(variables, batch)
 
 
-_NODE_FIGURES = (
-  "param_bytes",
-  "state_bytes",
-  "fwd_flops",
-  "bwd_flops",
-  "fwd_bytes",
-  "bwd_bytes",
-  "activation_bytes",
-  "saved_bytes",
-  "kept_bytes",
-)
-_EDGE_FIGURES = ("bytes", "fixed_bytes", "num_values")
-
-
-def _check_figures(items, names, what) -> None:
-  """Every figure of a loaded node or edge: present, finite and >= 0
-  (the batch-independent parts in `fixed` may be negative)."""
-  for item in items:
-    figures = [(k, item[k], 0) for k in names]
-    figures += [
-      (f"fixed.{k}", v, -math.inf) for k, v in item.get("fixed", {}).items()
-    ]
-    for name, value, least in figures:
-      number = isinstance(value, int | float) and not isinstance(value, bool)
-      if not number or not math.isfinite(value) or value < least:
-        bound = ">= 0" if least == 0 else ""
-        raise GraphFormatError(
-          f"{what} {item.get('id', (item.get('src'), item.get('dst')))}: "
-          f"{name} = {value!r} is not a finite number {bound} (edited file?)"
-        )
-
-
-def read_json(path: str, what: str):
-  """The JSON document at `path`; `GraphFormatError` if unreadable.
-
-  Args:
-    path: the file.
-    what: what the file should hold, for the message ('a graph', ...).
-  """
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except json.JSONDecodeError as err:
-    raise GraphFormatError(f"{path} is not JSON: {err}") from err
-  except OSError as err:
-    raise GraphFormatError(f"cannot read {what} from {path}: {err}") from None
+def _names(node: Node, key: str) -> tuple[str, ...]:
+  return node.params if key.startswith("param:") else node.state

@@ -80,10 +80,10 @@ def stage_memory_bytes(
   `plan_memory` for any plan with this stage, so the sum over `kinds`
   bounds `largest_of(kinds)` and the DPs prune with it.
   """
-  params = sum(graph.nodes[i].param_bytes for i in nodes)
+  params = graph.variable_bytes(nodes, "param")
   state = 0
   if "state" in kinds:
-    state = sum(graph.nodes[i].state_bytes for i in nodes)
+    state = graph.variable_bytes(nodes, "state")
   saved = 0.0
   if "stashes" in kinds:
     saved = sum(
@@ -304,8 +304,8 @@ def plan_holdings(
     per_stage.append(
       {
         "chunk": chunk,
-        "params": sum(nodes[n].param_bytes for n in s.nodes) // 4,
-        "state": sum(nodes[n].state_bytes for n in s.nodes) // 4,
+        "params": graph.variable_bytes(s.nodes, "param") // 4,
+        "state": graph.variable_bytes(s.nodes, "state") // 4,
         "in": math.ceil(inputs[s.id] * chunk),
         "out": math.ceil(outputs[s.id] * chunk),
         "res": math.ceil(residual),
@@ -464,7 +464,7 @@ def over_budget_message(
   hints = []
   heavy = max(
     plan.stages,
-    key=lambda s: sum(graph.nodes[n].param_bytes for n in s.nodes),
+    key=lambda s: graph.variable_bytes(s.nodes),
   )
   if devices_hint:
     hints.append(

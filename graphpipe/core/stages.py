@@ -28,7 +28,8 @@ import dataclasses
 import json
 from collections.abc import Sequence
 
-from graphpipe.core.graph import OpGraph, read_json
+from graphpipe.core.files import read_json
+from graphpipe.core.graph import OpGraph
 from graphpipe.errors import GraphFormatError, PlanError
 
 

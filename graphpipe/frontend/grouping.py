@@ -7,8 +7,10 @@ pieces of their own).
 1. runs: maximal runs of consecutive body equations with the same label.
    Every run is an interval of a topologically ordered list, so the run
    graph is a DAG whatever the model does.
-2. shared parameters: a parameter read by several runs merges all runs
-   between its first and last reader (intervals again: still a DAG).
+2. shared variables stay apart: a parameter read by several runs (a tied
+   embedding, a bias every layer adds) is held by each reader's stage and
+   its gradients summed across them (`graphpipe.runtime.shared`); a run
+   outside every module that reads one is named after its module.
 3. constants: a run of equations that read no input is copied into each
    run that reads it.
 4. glue: a parameter-free run (concatenation, pooling, the loss's sum)
@@ -98,41 +100,6 @@ def no_module_reason(jaxpr, framework) -> str:
   )
 
 
-def single_node_reason(jaxpr, labels, param_names, body) -> str:
-  """Why grouping left one node of the `body` equations: parameters read
-  outside their modules (named), a parameter shared by the first and last
-  module, or one module call."""
-  params = dict(zip(jaxpr.invars[: len(param_names)], param_names, strict=True))
-  outside = sorted(
-    {
-      params[v]
-      for i in body
-      if not labels[i]
-      for v in jaxpr.eqns[i].invars
-      if not isinstance(v, jax.extend.core.Literal) and v in params
-    }
-  )
-  if outside:
-    return (
-      f"parameters are read outside their modules' __call__ "
-      f"({', '.join(outside[:3])}{', ...' if len(outside) > 3 else ''}: a "
-      "method other than __call__, such as a tied embedding's attend()), "
-      "which ties each one's module to that code and merges everything "
-      "between them. Call such code from a module's __call__, or untie "
-      "the shared parameter"
-    )
-  if len({labels[i] for i in body if labels[i]}) > 1:
-    return (
-      "a parameter is shared between the first and the last module call, "
-      "which merges everything between them. Use a finer granularity or "
-      "untie the shared parameters"
-    )
-  return (
-    "only one module call was traced: a model of one layer has nothing to "
-    "pipeline (build it from several submodules)"
-  )
-
-
 def runs(labels, indices):
   """[(label, equation indices)] of maximal runs of equal labels among
   the equations `indices` (in order)."""
@@ -202,25 +169,23 @@ class Grouping:
     self.groups = [list(g) for _, g in runs]
     self.model_vars = model_vars
 
-  def merge_intervals(self):
-    """Merges every interval of runs that share a parameter or variable."""
-    first, last = {}, {}
-    for n, g in enumerate(self.groups):
-      for v in _reads(self.jaxpr, g, self.model_vars):
-        first.setdefault(v, n)
-        last[v] = n
-    spans = sorted((first[v], last[v]) for v in first if first[v] != last[v])
-    merged = []
-    for a, b in spans:
-      if merged and a <= merged[-1][1]:
-        merged[-1][1] = max(merged[-1][1], b)
-      else:
-        merged.append([a, b])
-    for a, b in reversed(merged):
-      self.groups[a] = [i for g in self.groups[a : b + 1] for i in g]
-      del self.groups[a + 1 : b + 1]
-      del self.labels[a + 1 : b + 1]
-    return bool(merged)
+  def name_by_variables(self, names: dict):
+    """Runs outside every module that read model variables (a tied
+    embedding's attend() called from the root) take the module path the
+    variables share (`names`: variable -> its path)."""
+    for n, group in enumerate(self.groups):
+      if self.labels[n]:
+        continue
+      paths = sorted({names[v] for v in _reads(self.jaxpr, group, names)})
+      if paths:
+        modules = [p.split(".")[:-1] for p in paths]
+        common = modules[0]
+        for m in modules[1:]:
+          k = 0
+          while k < min(len(common), len(m)) and common[k] == m[k]:
+            k += 1
+          common = common[:k]
+        self.labels[n] = ".".join(common)
 
   def has_model_vars(self, n):
     return bool(_reads(self.jaxpr, self.groups[n], self.model_vars))

@@ -28,7 +28,6 @@ from graphpipe.frontend.grouping import (
   name_nodes,
   no_module_reason,
   runs,
-  single_node_reason,
 )
 from graphpipe.frontend.program import (
   Program,
@@ -332,7 +331,6 @@ def capture(
       + no_module_reason(jaxpr, bound.framework)
     )
   grouping = Grouping(jaxpr, runs(labels, form.body), model_vars)
-  grouping.merge_intervals()
   grouping.inline_constants()
   grouping.topological()
   grouping.absorb_glue()
@@ -340,9 +338,18 @@ def capture(
   if len(grouping.groups) < 2:
     raise GraphCutError(
       f"the loss of {bound.root} forms a single node at granularity "
-      f"{granularity!r}: "
-      + single_node_reason(jaxpr, labels, bound.param_names, form.body)
+      f"{granularity!r}: only one module call was traced; a model of one "
+      "layer has nothing to pipeline (build it from several submodules)"
     )
+  grouping.name_by_variables(
+    dict(
+      zip(
+        jaxpr.invars[:num_model_vars],
+        bound.param_names + bound.state_names,
+        strict=True,
+      )
+    )
+  )
   groups = grouping.groups
   form = loss_form.assign_penalties(form, jaxpr, num_model_vars, groups)
   names = name_nodes(
@@ -463,6 +470,13 @@ def _build_graph(
     else:
       per, fixed_bytes = size / small.batch_size, 0.0
     edges.append(Edge(src, dst, per, fixed_bytes, count))
+  readers = {}
+  for node in nodes:
+    for name in node.params:
+      readers.setdefault(f"param:{name}", []).append(node.id)
+    for name in node.state:
+      readers.setdefault(f"state:{name}", []).append(node.id)
+  shared = {k: key_bytes[k] for k, ns in readers.items() if len(ns) > 1}
   inputs = [
     InputSpec(n, tuple(x.shape[1:]), str(x.dtype))
     for n, x in zip(batch_names, jax.tree.leaves(abstract_batch), strict=True)
@@ -475,4 +489,5 @@ def _build_graph(
     batch_size=program.batch_size,
     program=program,
     meta={"costs_measured": bool(costs)},
+    shared=shared,
   )

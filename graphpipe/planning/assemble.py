@@ -296,7 +296,7 @@ def place_devices(
   by_size = sorted(range(len(part.stages)), key=lambda i: -part.stages[i][1])
   for i in by_size:
     nodes, k = part.stages[i]
-    params = sum(graph.nodes[n].param_bytes for n in nodes)
+    params = graph.variable_bytes(nodes)
     starts = [s for s in range(num_devices - k + 1) if all(free[s : s + k])]
     if not starts:  # fragmented by sizes that are not powers of two
       devices[i] = tuple([d for d in range(num_devices) if free[d]][:k])

@@ -175,9 +175,12 @@ class _RangeCosts:
     inside[first, last] = True
     kinds = costs.memory_kinds
     params = _range_sums([graph.nodes[v].param_bytes for v in order])
+    params -= _shared_excess(graph, order, "param")
     state = _range_sums(
       [graph.nodes[v].state_bytes * ("state" in kinds) for v in order]
     )
+    if "state" in kinds:
+      state -= _shared_excess(graph, order, "state")
     incoming, outgoing = chain.boundary()
     shape = (n, n, len(self.counts))
     self.time_per_sample = np.full(shape, np.inf)
@@ -232,6 +235,18 @@ class _RangeCosts:
         )
       cap = np.where(static <= budget, np.floor(np.minimum(room, 1 << 30)), 0)
       self.capacity[:, :, i] = np.where(inside, cap, 0).astype(np.int64)
+
+
+def _shared_excess(graph, order, kind: str) -> np.ndarray:
+  """[i, j]: bytes counted more than once in the range order[i..j] of
+  nodes (a variable several of them read: `OpGraph.variable_bytes`)."""
+  n = len(order)
+  excess = np.zeros((n, n))
+  for key, readers in graph.shared_readers().items():
+    if key.startswith(kind + ":"):
+      count = _range_sums([float(v in readers) for v in order])
+      excess += graph.shared[key] * np.maximum(count - 1, 0)
+  return excess
 
 
 def _range_sums(values) -> np.ndarray:

@@ -82,7 +82,6 @@ class StageCosts:
     self._far_device = num_devices - 1
     self._times: dict[float, tuple[np.ndarray, np.ndarray]] = {}
     self._cache: dict[tuple, object] = {}
-    self._params = np.array([n.param_bytes for n in graph.nodes], float)
 
   @staticmethod
   def share(micro_batch: int, num_devices: int) -> int | float:
@@ -136,7 +135,7 @@ class StageCosts:
     """All-reduce (over k devices) plus optimizer step, once per iteration."""
     key = ("sync", tuple(nodes), num_devices)
     if key not in self._cache:
-      params = float(self._params[list(nodes)].sum())
+      params = float(self.graph.variable_bytes(nodes))
       self._cache[key] = self.sync_time_of(params, num_devices)
     return self._cache[key]
 
@@ -343,6 +342,13 @@ def estimate_iteration_time(
     forward_end[s] = fwd[s] + max(
       [start] + [forward_end[a] + transfer[(a, s)] for a in preds[s]]
     )
+  # Shared parameters held by several stages: their gradients are summed
+  # by one all-reduce over every device (`graphpipe.runtime.shared`).
+  shared = graph.exchanged_bytes([st.nodes for st in stages])
+  exchange = 0.0
+  if shared:
+    every = sorted({d for st in stages for d in st.devices})
+    exchange = cost_model.allreduce_time(shared, every)
   end = 0.0
   backward_end = [0.0] * n
 
@@ -377,10 +383,10 @@ def estimate_iteration_time(
         for t in succs[s]
       ]
     )
-    params = sum(graph.nodes[i].param_bytes for i in stages[s].nodes)
-    sync = 0.0
+    params = graph.variable_bytes(stages[s].nodes)
+    sync = exchange
     if params > 0:
-      sync = cost_model.optimizer_time(params)
+      sync += cost_model.optimizer_time(params)
       if len(stages[s].devices) > 1:
         sync += cost_model.allreduce_time(params, stages[s].devices)
     end = max(end, backward_end[s] + sync)

@@ -20,8 +20,9 @@
           inbox[channel] = lax.ppermute(sends[channel])  # fan-out / fan-in
     sums: psum; loss = head(sums, data statistics, penalties)
     gradients: (scaled by d loss / d sums where the head is not affine)
-      + the penalties' gradients, ring all-reduce over each data-parallel
-      stage's devices; optimizer: optax on each device's parameter slots
+      + the penalties' gradients; shared parameters' parts summed across
+      their holder stages (`graphpipe.runtime.shared`); ring all-reduce
+      over each data-parallel stage's devices; optimizer: optax on slots
 
 Before the loop, each stage's first device computes the loss's
 parameter-only terms (penalties) it owns, and every device the seed of
@@ -64,6 +65,7 @@ from graphpipe.frontend.program import Program
 from graphpipe.runtime import feed, packing, reduce, slots
 from graphpipe.runtime.buffers import Buffers, Operands
 from graphpipe.runtime.layout import Layout
+from graphpipe.runtime.shared import SharedGradients
 from graphpipe.runtime.stage_code import StageCode
 from graphpipe.runtime.tables import build_tables, make_channels
 from graphpipe.schedules.grid import Schedule
@@ -477,6 +479,7 @@ class StepBuilder(StageCode):
       tuple(jnp.zeros((n,), jnp.float32) for n in buf.params.sizes),
     )
     gacc = tuple(g + p for g, p in zip(gacc, penalty_grads, strict=True))
+    gacc = SharedGradients(self.layout, buf.params).exchange(gacc, me, AXIS)
     return self._reduce_replicas(gacc), loss
 
   def _reduce_replicas(self, gacc):

@@ -52,7 +52,7 @@ from graphpipe.schedules.grid import (
 )
 from graphpipe.simulator import timeline
 
-_BUSY = ("forward", "backward", "allreduce", "optimizer")
+_BUSY = ("forward", "backward", "allreduce", "exchange", "optimizer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,11 +345,17 @@ def simulate(
 
   if lockstep:  # the scan ends for every device at once
     stage_free = [tick_end] * num_stages
+  # Copies of shared parameters: one all-reduce (`runtime.shared`).
+  shared = graph.exchanged_bytes([s.nodes for s in plan.stages])
+  every = range(plan.num_devices)
+  exchange = cost_model.allreduce_time(shared, every) if shared else 0.0
   device_end = {}
   for stage in plan.stages:
-    params = sum(graph.nodes[n].param_bytes for n in stage.nodes)
+    params = graph.variable_bytes(stage.nodes)
     clock = stage_free[stage.id]
     steps = []
+    if exchange:
+      steps.append(("exchange", exchange))
     if len(stage.devices) > 1 and params > 0:
       steps.append(
         ("allreduce", cost_model.allreduce_time(params, stage.devices))

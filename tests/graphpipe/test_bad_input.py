@@ -67,18 +67,6 @@ def ctx(tmp_path_factory):
   return Ctx(tmp_path_factory.mktemp("bad_input"))
 
 
-class _Tied(nnx.Module):
-  """An embedding whose transpose is the output layer (attend)."""
-
-  def __init__(self):
-    self.embed = nnx.Embed(8, 4, rngs=nnx.Rngs(0))
-    self.mid = nnx.Linear(4, 4, rngs=nnx.Rngs(1))
-
-  def __call__(self, x):
-    ids = jnp.argmax(x, axis=-1)
-    return self.embed.attend(self.mid(self.embed(ids)))
-
-
 class _Looping(nnx.Module):
   """A layer applied in a while_loop (traced bounds), then a head."""
 
@@ -164,17 +152,6 @@ ROWS = [
     lambda c: graphpipe.capture(loss_fn, _Looping(), BATCH),
     CaptureError,
     "jax.grad of loss_fn must work",
-  ),
-  (
-    # A tied embedding read through attend() (a method other than
-    # __call__) was blamed on a weight penalty; the message names the
-    # parameter and both causes now.
-    "capture-tied-embedding-attend",
-    lambda c: graphpipe.capture(
-      lambda m, b: jnp.mean(m(b["x"]) ** 2), _Tied(), BATCH
-    ),
-    GraphCutError,
-    r"read outside their modules' __call__ \(embed.embedding: .*attend",
   ),
   (
     # "Build the model from submodules" to a model built from them whose

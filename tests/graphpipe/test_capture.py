@@ -243,7 +243,7 @@ def test_json_round_trip_and_dot(model, tmp_path):
   assert "head" in str(graph)
 
 
-def test_shared_parameter_merges_its_users():
+def test_a_layer_called_twice_is_two_nodes_sharing_its_parameters():
   class Tied(nnx.Module):
     def __init__(self, rngs):
       self.a = nnx.Linear(4, 4, rngs=rngs)
@@ -257,11 +257,12 @@ def test_shared_parameter_merges_its_users():
   batch = {"x": np.ones((2, 4), np.float32)}
   loss = lambda m, b: jnp.mean(m(b["x"]) ** 2)
   graph = graphpipe.capture(loss, model, batch)
-  # b is called first and third: everything between them is one node.
-  assert [sorted(n.params) for n in graph.nodes] == [
-    ["a.bias", "a.kernel", "b.bias", "b.kernel"],
-    ["c.bias", "c.kernel"],
-  ]
+  # b is called first and third: two nodes holding it (until 2026-12-03
+  # everything between them merged into one node).
+  assert [n.name for n in graph.nodes] == ["b", "a", "b#1", "c"]
+  assert graph.shared == {"param:b.kernel": 64, "param:b.bias": 16}
+  assert graph.shared_readers()["param:b.kernel"] == (0, 2)
+  assert graph.totals()["param_bytes"] == 3 * (64 + 16)
   np.testing.assert_allclose(
     graph.evaluate(model, batch), loss(model, batch), rtol=1e-6
   )
