@@ -262,6 +262,11 @@ class OpGraph:
     hand)."""
     return self.meta.get("loss_form", "")
 
+  def traces_at(self, batch_size: int) -> bool:
+    """Whether the captured model's code traces at `batch_size` samples
+    (True for a graph without a program: nothing to ask)."""
+    return self.program is None or self.program.traces_at(batch_size)
+
   @property
   def whole_batch_only(self) -> str | None:
     """Why the loss is exact only with the whole batch in one piece (a

@@ -246,6 +246,43 @@ class Program:
     self.prepass, self.penalties = pieces.prepass, pieces.penalties
     self.head = pieces.head
     self._by_size = {batch_size: self}
+    self._refused: set[int] = set()
+
+  def traces_at(self, batch_size: int) -> bool:
+    """Whether the model's code traces at `batch_size` samples (a reshape
+    into pairs of samples does not at 1)."""
+    if batch_size in self._by_size:
+      return True
+    if batch_size not in self._refused:
+      try:
+        self.at_batch_size(batch_size)
+      except Exception:  # the user's code: any error means no
+        self._refused.add(batch_size)
+    return batch_size not in self._refused
+
+  def cut_rules(self) -> dict[str, list[tuple[int, int]]]:
+    """Node pairs the planners must respect (`graphpipe.core.runnable`):
+    'apart', an edge whose values hold samples apart along the batch axis
+    (a time-major reshape): both ends take chunks of one size; 'joined',
+    an edge carrying a value without a batch axis (a statistic over the
+    batch, a transform of parameters): both ends in one stage."""
+    apart = {ref for ref, _ in self.form.apart}
+    large = self.at_batch_size(2 * self.batch_size)
+    shapes = {}
+    for node in large.nodes:
+      shapes.update(zip(node.outputs, node.output_avals(), strict=True))
+    producer = {k: n for n, node in enumerate(self.nodes) for k in node.outputs}
+    rules = {"apart": set(), "joined": set()}
+    for dst, node in enumerate(self.nodes):
+      for key, aval in zip(node.inputs, node.input_avals(), strict=True):
+        if key not in producer:
+          continue
+        pair = (producer[key], dst)
+        if tuple(aval.shape) == tuple(shapes[key].shape):
+          rules["joined"].add(pair)
+        elif self.refs.get(key) in apart:
+          rules["apart"].add(pair)
+    return {k: sorted(v) for k, v in rules.items()}
 
   def at_batch_size(self, batch_size: int) -> Program:
     """The same program re-traced for batches of `batch_size` samples."""
@@ -268,7 +305,7 @@ class Program:
       flatten=self._flatten,
       unflatten_params=self._unflatten_params,
     )
-    other._by_size = self._by_size
+    other._by_size, other._refused = self._by_size, self._refused
     self._by_size[batch_size] = other
     return other
 

@@ -386,6 +386,7 @@ def capture(
     capture_time_s=time.perf_counter() - start,
     loss_form=form.describe(),
     whole_batch_only=form.unsplittable,
+    cut_rules=program.cut_rules(),
   )
   graph.model = name or bound.root
   graph.config = config

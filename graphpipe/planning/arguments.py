@@ -10,6 +10,7 @@ import numpy as np
 
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import KINDS
+from graphpipe.core.runnable import micro_batch_sizes
 from graphpipe.errors import PlanError
 
 PLANNERS = ("graphpipe", "sequential", "gpipe", "piper")
@@ -85,8 +86,26 @@ def _count(value) -> bool:
 
 
 def searched_sizes(
-  batch_size: int, requested: Sequence[int] | None
+  batch_size: int, requested: Sequence[int] | None, graph=None
 ) -> list[int]:
+  """The micro-batch sizes to search: powers of two dividing the batch,
+  or those requested; of them, those the model runs at (`graph`)."""
+  sizes = _sizes(batch_size, requested)
+  if graph is None:
+    return sizes
+  runs = micro_batch_sizes(graph, batch_size, sizes)
+  if not runs:
+    why = (
+      f"the loss needs the whole batch of {batch_size} at once "
+      f"({graph.whole_batch_only})"
+      if graph.whole_batch_only
+      else "the model's code traces at none of them"
+    )
+    raise PlanError(f"no micro-batch size among {sizes} can run: {why}")
+  return runs
+
+
+def _sizes(batch_size: int, requested: Sequence[int] | None) -> list[int]:
   if requested is None:
     return [b for b in (2**i for i in range(31)) if batch_size % b == 0]
   if isinstance(requested, str) or not isinstance(requested, Sequence):

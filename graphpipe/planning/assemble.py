@@ -106,7 +106,11 @@ def spend_spare_devices(
     for group in moves:
       k, b = counts[group[0]], sizes[group[0]]
       more = next(
-        (k2 for k2 in range(k + 1, k + spare // len(group) + 1) if b % k2 == 0),
+        (
+          k2
+          for k2 in range(k + 1, k + spare // len(group) + 1)
+          if k2 in costs.replica_counts(b)
+        ),
         None,
       )
       if more is None:

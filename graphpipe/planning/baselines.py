@@ -166,9 +166,7 @@ class _RangeCosts:
     graph, order = costs.graph, chain.order
     n = len(order)
     self.chain = chain
-    self.counts = [
-      k for k in range(1, costs.num_devices + 1) if micro_batch % k == 0
-    ]
+    self.counts = costs.replica_counts(micro_batch)
     m = costs.batch_size // micro_batch
     first, last = np.triu_indices(n)
     inside = np.full((n, n), False)
@@ -378,7 +376,7 @@ class GPipePartitioner:
     out = []
     for chain in self.chains:
       for replicas in range(1, costs.num_devices + 1):
-        if micro_batch % replicas:
+        if replicas not in costs.replica_counts(micro_batch):
           continue
         most = min(costs.num_devices // replicas, len(chain.order))
         bounds = [d for d in DEPTH_GRID if d < most] + [most]

@@ -20,6 +20,7 @@ from graphpipe.core.cost_model import CostModel
 from graphpipe.core.fingerprint import graph_fingerprint
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import KINDS, plan_memory
+from graphpipe.core.runnable import refusal
 from graphpipe.core.stages import Plan
 from graphpipe.planning import baselines
 from graphpipe.planning.assemble import (
@@ -131,7 +132,9 @@ def run_search(
     over memory."""
     if part not in candidates:
       p = assemble(graph, part, costs, planner, fingerprint)
-      ok = all(
+      # Only what the trainer runs (a chunk the code traces at, no split
+      # of a whole-batch loss, cut rules: `graphpipe.core.runnable`).
+      ok = refusal(graph, p) is None and all(
         costs.in_flight_capacity(s.nodes, s.micro_batch_size, len(s.devices))
         >= s.in_flight
         for s in p.stages
@@ -180,7 +183,7 @@ def run_search(
     # No padding at all: the whole model on k devices, data parallel.
     for b in sizes:
       for k in range(1, num_devices + 1):
-        if num_devices % k == 0 and b % k == 0:
+        if num_devices % k == 0 and k in costs.replica_counts(b):
           evaluate(Partition(((everything, k),), b))
   if not any(c is not None for c in candidates.values()):
     # Every device holds what the largest stage needs, and replicas hold

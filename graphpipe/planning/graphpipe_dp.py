@@ -110,9 +110,7 @@ class GraphPipePartitioner:
     """Frontier partitions for micro-batch size `micro_batch` (maybe []),
     under both stage metrics, stages filled from the front and the back."""
     costs = self.costs
-    counts = [
-      k for k in range(1, costs.num_devices + 1) if micro_batch % k == 0
-    ]
+    counts = costs.replica_counts(micro_batch)
     # (k, in-flight capacity) per candidate stage, for both metrics.
     fitting = []
     for nodes in self.tree.base_nodes:

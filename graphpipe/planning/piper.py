@@ -115,9 +115,7 @@ class _DownSetSolver:
     self.costs = owner.costs
     self.b = micro_batch
     self.devices = self.costs.num_devices
-    self.counts = [
-      k for k in range(1, self.devices + 1) if micro_batch % k == 0
-    ]
+    self.counts = self.costs.replica_counts(micro_batch)
     self.depth = min(len(owner.graph.nodes), self.devices)
     self._options: dict[int, list[tuple[int, float, int]]] = {}
     self.memo: dict[int, np.ndarray] = {}

@@ -32,6 +32,7 @@ import dataclasses
 from collections.abc import Callable
 
 from graphpipe.core.graph import OpGraph
+from graphpipe.core.runnable import replica_counts
 from graphpipe.planning.bitsets import bits, mask_of
 from graphpipe.planning.candidates import Partition
 
@@ -184,7 +185,7 @@ def refine(
   def stage_busy(mask: int, k: int) -> float:
     return busy(tuple(bits(mask)), k)
 
-  divisors = [k for k in range(1, num_devices + 1) if b % k == 0]
+  divisors = replica_counts(graph, b, num_devices)
   seen: dict[tuple, float | None] = {}  # by `_State.key`
 
   def score(state: _State) -> float | None:

@@ -149,7 +149,7 @@ def plan(
   if memory_bytes is None:
     memory_bytes = cost_model.memory_bytes
   check_memory_bytes(memory_bytes)
-  sizes = searched_sizes(batch_size, micro_batch_sizes)
+  sizes = searched_sizes(batch_size, micro_batch_sizes, graph)
   per_stage = per_stage_micro_batches and planner == "graphpipe"
   best = run_search(
     graph,

@@ -20,6 +20,7 @@ import numpy as np
 from graphpipe.core.cost_model import CostModel
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import KINDS, stage_memory_bytes
+from graphpipe.core.runnable import replica_counts
 from graphpipe.core.stages import Plan
 
 
@@ -82,6 +83,16 @@ class StageCosts:
     self._far_device = num_devices - 1
     self._times: dict[float, tuple[np.ndarray, np.ndarray]] = {}
     self._cache: dict[tuple, object] = {}
+
+  def replica_counts(self, micro_batch: int) -> list[int]:
+    """Data-parallel degrees a stage of `micro_batch` may take
+    (`graphpipe.core.runnable.replica_counts`)."""
+    key = ("replicas", micro_batch)
+    if key not in self._cache:
+      self._cache[key] = replica_counts(
+        self.graph, micro_batch, self.num_devices
+      )
+    return self._cache[key]
 
   @staticmethod
   def share(micro_batch: int, num_devices: int) -> int | float:

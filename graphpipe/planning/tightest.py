@@ -71,7 +71,7 @@ def tightest_plan(
   # Feasibility as `plan` decides it, without building its error message.
   model = AnalyticCostModel(spec_of(device))
   args = (graph, num_devices, batch_size, planner, model)
-  sizes = searched_sizes(batch_size, None)
+  sizes = searched_sizes(batch_size, None, graph)
   unlimited = unlimited_plan(*args, sizes, piper_budget)
   peak = math.inf
   if unlimited is not None:

@@ -9,6 +9,13 @@ either a wide Linear with a tanh (heavy in parameters) or a narrow Linear
 followed by a widening elementwise expansion (heavy in activations). Every
 node nobody reads is a loss head: a mean squared error against its own
 target, and the loss is the sum of the heads (a multi-task model).
+
+NNX models (`build`) also draw quirks where a planner may not cut freely
+(`graphpipe.core.runnable`), from a generator of their own so the DAGs
+stay those of `draw_spec`: a layer whose code refuses odd batch sizes
+('even'), a layer whose output is laid out time-major for its readers
+('time_major': samples apart along the batch axis), and a loss with a max
+over the batch (`whole_batch`: exact only on the whole batch at once).
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ class Spec:
   kinds: tuple[str, ...]
   widths: tuple[int, ...]
   in_features: int
+  quirks: tuple[str, ...] = ()  # per node: '', 'even' or 'time_major'
+  whole_batch: bool = False
 
   @property
   def sinks(self) -> list[int]:
@@ -44,7 +53,9 @@ class Spec:
     return [i for i, r in enumerate(self.reads) if not r]
 
 
-def draw_spec(seed: int, min_nodes: int = 3, max_nodes: int = 7) -> Spec:
+def draw_spec(
+  seed: int, min_nodes: int = 3, max_nodes: int = 7, quirks: bool = False
+) -> Spec:
   rng = random.Random(seed)
   n = rng.randint(min_nodes, max_nodes)
   reads: list[set[int]] = [set()]
@@ -68,12 +79,21 @@ def draw_spec(seed: int, min_nodes: int = 3, max_nodes: int = 7) -> Spec:
       read = set()
     reads.append(read)
     level.append(1 + max((level[v] for v in read), default=-1))
-  return Spec(
+  spec = Spec(
     reads=tuple(tuple(sorted(r)) for r in reads),
     kinds=tuple(rng.choice(["params", "activations"]) for _ in range(n)),
     widths=tuple(rng.choice([4, 8, 16]) for _ in range(n)),
     in_features=rng.choice([3, 6]),
   )
+  if not quirks:
+    return spec
+  odd = random.Random(seed + 7919)
+  read = {v for r in spec.reads for v in r}
+  drawn = tuple(
+    odd.choice(["", "", "even", "time_major"] if i in read else ["", "even"])
+    for i in range(n)
+  )
+  return dataclasses.replace(spec, quirks=drawn, whole_batch=odd.random() < 0.2)
 
 
 class Dense(nnx.Module):
@@ -131,24 +151,53 @@ class RandomModel(nnx.Module):
 
   def __call__(self, batch):
     values = []
+    quirks = self.spec.quirks or ("",) * len(self.spec.reads)
     for i, reads in enumerate(self.spec.reads):
       if reads:
-        x = jnp.concatenate([values[v] for v in reads], axis=-1)
+        x = jnp.concatenate([unlaid(values[v]) for v in reads], axis=-1)
       else:
         x = batch[f"x{i}"]
-      values.append(self.layers[i](x))
-    return {i: values[i] for i in self.spec.sinks}
+      if quirks[i] == "even" and x.shape[0] % 2:
+        raise ValueError("this layer takes pairs of samples")
+      out = self.layers[i](x)
+      if quirks[i] == "time_major":
+        out = TimeMajor(out.T.reshape(-1), out.shape[1])
+      values.append(out)
+    return {i: unlaid(values[i]) for i in self.spec.sinks}
+
+
+@jax.tree_util.register_pytree_node_class
+class TimeMajor:
+  """A (B, W) value laid out as W runs of B: its samples apart."""
+
+  def __init__(self, flat, width):
+    self.flat, self.width = flat, width
+
+  def tree_flatten(self):
+    return (self.flat,), self.width
+
+  @classmethod
+  def tree_unflatten(cls, width, children):
+    return cls(children[0], width)
+
+
+def unlaid(value):
+  if isinstance(value, TimeMajor):
+    return value.flat.reshape(value.width, -1).T
+  return value
 
 
 def loss_fn(model: RandomModel, batch) -> jax.Array:
-  """Sum over the loss heads of the mean squared error (in float32)."""
+  """Sum over the loss heads of the mean squared error (in float32); with
+  `whole_batch`, plus the batch's largest error of the first head."""
   heads = model(batch)
-  return sum(
-    jnp.mean(
-      (heads[i].astype(jnp.float32) - batch[f"y{i}"]) ** 2, dtype=jnp.float32
-    )
-    for i in sorted(heads)
-  )
+  errors = {
+    i: (heads[i].astype(jnp.float32) - batch[f"y{i}"]) ** 2 for i in heads
+  }
+  loss = sum(jnp.mean(errors[i], dtype=jnp.float32) for i in sorted(heads))
+  if getattr(model.spec, "whole_batch", False):
+    loss = loss + 0.1 * jnp.max(errors[min(heads)])
+  return loss
 
 
 def make_batch(spec: Spec, batch_size: int, seed: int = 0, dtype=None):
@@ -165,8 +214,9 @@ def make_batch(spec: Spec, batch_size: int, seed: int = 0, dtype=None):
   return batch
 
 
-def build(seed: int, **kwargs) -> RandomModel:
-  return RandomModel(draw_spec(seed), rngs=nnx.Rngs(seed), **kwargs)
+def build(seed: int, quirks: bool = False, **kwargs) -> RandomModel:
+  spec = draw_spec(seed, quirks=quirks)
+  return RandomModel(spec, rngs=nnx.Rngs(seed), **kwargs)
 
 
 def with_shape_costs(graph):
@@ -207,6 +257,7 @@ def with_shape_costs(graph):
     model=graph.model,
     program=graph.program,
     meta=graph.meta,
+    shared=graph.shared,
   )
 
 

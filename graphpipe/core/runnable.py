@@ -1,0 +1,86 @@
+"""What the trainer can run: the plans planners may return for a graph.
+
+Capture records where a model cannot be cut freely (`OpGraph.meta`):
+
+  whole_batch_only  the loss is exact only with the whole batch in one
+                    piece (a max or a product across samples): one
+                    micro-batch, one device a stage;
+  cut_rules.apart   node pairs whose values hold samples apart along the
+                    batch axis (time-major): both ends take chunks of one
+                    size (no data-parallel split or micro-batch join
+                    between them);
+  cut_rules.joined  node pairs carrying a value without a batch axis (a
+                    batch statistic, a transform of parameters): one
+                    stage;
+
+and `OpGraph.traces_at(size)` says whether the model's code traces at a
+chunk size. `refusal(graph, plan)` is None exactly when a plan respects all
+of them; the planners drop candidates it refuses, and `replica_counts`
+keeps the searches from offering them in the first place.
+
+Example:
+  >>> graph = capture_zoo("two_branch", "tiny")
+  >>> refusal(graph, graphpipe.plan(graph, 4, 8)) is None
+  True
+"""
+
+from __future__ import annotations
+
+from graphpipe.core.graph import OpGraph
+from graphpipe.core.stages import Plan
+
+
+def replica_counts(graph: OpGraph, micro_batch: int, num_devices: int):
+  """The data-parallel degrees k a stage of micro-batches of
+  `micro_batch` may take: k divides it, the chunk traces, and only k = 1
+  where the loss needs the whole batch."""
+  if graph.whole_batch_only:
+    return [1] if graph.traces_at(micro_batch) else []
+  return [
+    k
+    for k in range(1, num_devices + 1)
+    if micro_batch % k == 0 and graph.traces_at(micro_batch // k)
+  ]
+
+
+def micro_batch_sizes(graph: OpGraph, batch_size: int, sizes) -> list[int]:
+  """Of `sizes`, those the model can run at (the whole batch alone where
+  the loss needs it)."""
+  if graph.whole_batch_only:
+    sizes = [b for b in sizes if b == batch_size]
+  return [b for b in sizes if graph.traces_at(b)]
+
+
+def refusal(graph: OpGraph, plan: Plan) -> str | None:
+  """Why the trainer would refuse `plan` for `graph`, or None."""
+  chunk = {s.id: s.micro_batch_size // len(s.devices) for s in plan.stages}
+  if graph.whole_batch_only and any(
+    c < plan.batch_size for c in chunk.values()
+  ):
+    return (
+      "the plan splits the batch, but the loss is exact only on the whole "
+      f"batch: {graph.whole_batch_only}"
+    )
+  for s in plan.stages:
+    if not graph.traces_at(chunk[s.id]):
+      return (
+        f"stage {s.id} runs chunks of {chunk[s.id]} samples, at which the "
+        "model's code does not trace"
+      )
+  owner = plan.stage_of_node()
+  rules = graph.meta.get("cut_rules", {})
+  for a, b in rules.get("joined", ()):
+    if owner[a] != owner[b]:
+      return (
+        f"nodes {graph.nodes[a].name!r} and {graph.nodes[b].name!r} are in "
+        "different stages, but a value without a batch axis passes between "
+        "them"
+      )
+  for a, b in rules.get("apart", ()):
+    if owner[a] != owner[b] and chunk[owner[a]] != chunk[owner[b]]:
+      return (
+        f"nodes {graph.nodes[a].name!r} and {graph.nodes[b].name!r} take "
+        "chunks of different sizes, but a value between them holds samples "
+        "apart along its batch axis"
+      )
+  return None
