@@ -479,18 +479,21 @@ class OpGraph:
       )
     return self.program
 
-  def evaluate(self, variables, batch):
+  def evaluate(self, variables, batch, rng=None):
     """The loss, computed node by node in topological order.
 
     Args:
       variables: the model's variables as at capture: an `nnx.State` (or the
         NNX model itself) for NNX, the variables dict for linen.
       batch: a batch with the same structure as at capture (any batch size).
+      rng: for a model that draws in training, the key of the step (its
+        streams' keys, `graphpipe.frontend.streams`); an NNX model's own
+        keys otherwise.
 
     Returns:
       The scalar loss, equal to `loss_fn(model, batch)`.
     """
-    return self._require_program().evaluate(variables, batch)
+    return self._require_program().evaluate(variables, batch, rng)
 
 
 def _names(node: Node, key: str) -> tuple[str, ...]:

@@ -132,22 +132,28 @@ def _vars(eqn):
   return [v for v in eqn.invars if not isinstance(v, jex.core.Literal)]
 
 
-def find(small, large, num_vars: int) -> LossForm:
+def find(small, large, num_vars: int, num_streams: int = 0) -> LossForm:
   """The loss's form from its jaxpr at two batch sizes.
 
   Args:
     small, large: the loss jaxpr (open) at two batch sizes.
     num_vars: how many leading inputs are model variables (parameters and
-      state); the rest are batch leaves.
+      state); `num_streams` random streams' keys follow them, then the
+      batch leaves.
 
   Raises:
     CaptureError: where the loss has no batch-dependent term that depends
       on the parameters, or combines several sums non-affinely.
   """
-  inputs = [sw.free(True)] * num_vars + [
-    sw.rows(0, large.invars[i].aval.shape[0])
-    for i in range(num_vars, len(small.invars))
-  ]
+  first_leaf = num_vars + num_streams
+  inputs = (
+    [sw.free(True)] * num_vars
+    + [sw.free(True, stream=True)] * num_streams
+    + [
+      sw.rows(0, large.invars[i].aval.shape[0])
+      for i in range(first_leaf, len(small.invars))
+    ]
+  )
   walk = sw.Walk(small, large, inputs)
   states = walk.states
   producer = producers(small)

@@ -32,6 +32,7 @@ import numpy as np
 
 from graphpipe.errors import CaptureError
 from graphpipe.frontend.loss_form import LossForm, producers, ref_of, resolve
+from graphpipe.frontend.streams import stream_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,18 +310,35 @@ class Program:
     self._by_size[batch_size] = other
     return other
 
-  def flat_inputs(self, variables, batch) -> dict[str, object]:
-    """Value keys -> arrays for the graph inputs and constants."""
-    leaves = self._flatten(variables, batch)
+  @property
+  def streams(self) -> tuple[str, ...]:
+    """Value keys of the random streams the model draws from ('rng:<path>';
+    a Dropout in inference mode keeps a stream it never reads)."""
+    read = {k for node in self.nodes for k in node.inputs}
+    return tuple(k for k in self.stream_keys(None) if k in read)
+
+  def stream_keys(self, rng) -> dict:
+    """'rng:' key -> its key for the step's key `rng` (k-th stream:
+    `graphpipe.frontend.streams.stream_keys`); None values for None."""
+    keys = [k for k in self.input_keys if k.startswith("rng:")]
+    if rng is None:
+      return dict.fromkeys(keys)
+    return dict(zip(keys, stream_keys(rng, len(keys)), strict=True))
+
+  def flat_inputs(self, variables, batch, rng=None) -> dict[str, object]:
+    """Value keys -> arrays for the graph inputs and constants; the
+    streams' keys from `rng` (`stream_keys`), else an NNX model's own."""
+    keys = None if rng is None else list(self.stream_keys(rng).values())
+    leaves = self._flatten(variables, batch, keys)
     env = dict(zip(self.input_keys, leaves, strict=True))
     env.update(self.consts)
     return env
 
   def variable_values(self, variables) -> dict[str, object]:
     """'param:' and 'state:' keys -> arrays of `variables`."""
-    leaves = self._flatten(variables, ())
     keys = [k for k in self.input_keys if k.startswith(("param:", "state:"))]
-    return dict(zip(keys, leaves, strict=True))
+    leaves = self._flatten(variables, (), list(self.stream_keys(None).values()))
+    return dict(zip(keys, leaves[: len(keys)], strict=True))
 
   def unflatten_params(self, values: dict[str, object], fallback=None):
     """Parameters by 'param:' key -> the user's structure (nnx.State...);
@@ -331,7 +349,7 @@ class Program:
       values = {**self.variable_values(fallback), **values}
     return self._unflatten_params([values[k] for k in keys])
 
-  def evaluate(self, variables, batch):
+  def evaluate(self, variables, batch, rng=None):
     """The loss, computed piece by piece (see OpGraph.evaluate)."""
     sizes = {np.shape(x)[0] for x in jax.tree.leaves(batch)}
     if len(sizes) != 1:
@@ -339,7 +357,7 @@ class Program:
         f"batch leaves disagree on the batch size: {sorted(sizes)}"
       )
     program = self.at_batch_size(sizes.pop())
-    return program.loss(program.run(program.flat_inputs(variables, batch)))
+    return program.loss(program.run(program.flat_inputs(variables, batch, rng)))
 
   def run(self, env: dict) -> dict:
     """`env` (value keys of the inputs and constants) with the batch's

@@ -28,6 +28,8 @@ import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 
+from graphpipe.frontend.streams import per_sample_key
+
 PROBE_BATCH = 2
 
 
@@ -129,6 +131,8 @@ def _probe(program, keys):
       inputs[key] = _made_up(aval, rng, centred=not key.startswith("state:"))
       if inputs[key] is None:
         return {}
+    elif key.startswith("rng:"):
+      inputs[key] = per_sample_key(0)
   inputs.update(small.consts)
   # The batch's data statistics are the same for every micro-batch (the
   # runtime computes them once over the whole batch): held fixed here.
@@ -216,6 +220,9 @@ _RANDOM_PRIMITIVES = frozenset(
 # batch; the same row for every sample (a batch-independent value
 # broadcast along the batch); or values computed from the batch.
 _FIXED, _UNIFORM, _BATCH = 0, 1, 2
+# A training stream's key, or one derived from it: its draws are each
+# sample's own by the per-sample rule (`graphpipe.frontend.streams`).
+_STREAM = 3
 # Operations that keep every sample's row equal when their operands do.
 _ROW_WISE = _RANDOM_PRIMITIVES | {
   "random_wrap",
@@ -250,7 +257,11 @@ def batch_shaped_draws(small, large) -> list[tuple[int, str, tuple]]:
   held = {}  # value key -> what it holds (_FIXED, _UNIFORM, _BATCH)
   for node, (na, nb) in enumerate(zip(small.nodes, large.nodes, strict=True)):
     inputs = [
-      _BATCH if key.startswith("batch:") else held.get(key, _FIXED)
+      _BATCH
+      if key.startswith("batch:")
+      else _STREAM
+      if key.startswith("rng:")
+      else held.get(key, _FIXED)
       for key in na.inputs
     ]
 
@@ -282,7 +293,7 @@ def _walk_draws(a, b, held_in, report) -> list[int]:
       va.aval.shape != vb.aval.shape
       for va, vb in zip(ea.outvars, eb.outvars, strict=True)
     ):
-      per_sample = any(
+      per_sample = _STREAM in ins or any(
         t == _BATCH and x for t, x in zip(ins, batched, strict=True)
       )
       same_rows = any(batched) and all(

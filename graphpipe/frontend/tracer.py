@@ -10,18 +10,22 @@ into nodes; `graphpipe.node_costs` measures them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from flax.core import unfreeze
 
 from graphpipe.core.graph import Edge, InputSpec, Node, OpGraph
 from graphpipe.errors import CaptureError, GraphCutError
 from graphpipe.frontend import loss_form, node_costs
+from graphpipe.frontend.bound import (
+  STATEFUL_HINTS,
+  Bound,
+  leaf_names,
+  make_flatten,
+  make_unflatten,
+)
 from graphpipe.frontend.grouping import (
   Grouping,
   labels_of,
@@ -32,26 +36,7 @@ from graphpipe.frontend.grouping import (
 from graphpipe.frontend.program import (
   Program,
   primitive_signature,
-  source_input,
 )
-from graphpipe.frontend.scopes import nnx_module_scopes, path_to_str
-
-
-def _key_name(key) -> str:
-  for attr in ("key", "idx", "name"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
-def _leaf_names(tree, drop_value=False) -> list[str]:
-  names = []
-  for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    parts = [_key_name(k) for k in path]
-    if drop_value and parts and parts[-1] == "value":
-      parts = parts[:-1]
-    names.append(path_to_str(parts))
-  return names
 
 
 def _abstract(tree):
@@ -67,118 +52,13 @@ def _with_batch_size(batch, size):
   )
 
 
-class _Bound:
-  """How to call the user's loss on (params, state) for one framework."""
-
-  def __init__(self, model, variables):
-    if isinstance(model, nnx.Module):
-      if variables is not None:
-        raise CaptureError(
-          "variables= is for linen modules; an NNX model carries its own"
-        )
-      self.framework = "nnx"
-      self.graphdef, self.params, self.state = nnx.split(model, nnx.Param, ...)
-      self.param_names = _leaf_names(self.params, drop_value=True)
-      self.state_names = _leaf_names(self.state, drop_value=True)
-      self.root = type(model).__name__
-    elif isinstance(model, nn.Module):
-      if variables is None:
-        raise CaptureError(
-          "a linen module needs its variables: capture(loss_fn, module, "
-          "batch, variables=module.init(...))"
-        )
-      self.framework = "linen"
-      self.module = model
-      variables = unfreeze(variables)  # a FrozenDict as a dict
-      self.params = variables.pop("params", {})
-      self.state = variables
-      self.param_names = _leaf_names(self.params)
-      self.state_names = _leaf_names(self.state)
-      self.root = type(model).__name__
-    else:
-      raise CaptureError(
-        f"model must be a flax.nnx.Module or a flax.linen.Module, got "
-        f"{type(model).__name__}"
-      )
-    if not jax.tree.leaves(self.params):
-      raise CaptureError(
-        f"the model {self.root} has no trainable parameters (nnx.Param / "
-        "linen 'params'): there is nothing to train or to place on stages"
-      )
-
-  def call(self, loss_fn, params, state, batch):
-    if self.framework == "nnx":
-      model = nnx.merge(self.graphdef, params, state)
-      before = jax.tree.leaves(nnx.state(model))
-      with nnx_module_scopes(model):
-        loss = loss_fn(model, batch)
-      after = jax.tree.leaves(nnx.state(model))
-      if len(before) != len(after) or (
-        any(a is not b for a, b in zip(before, after, strict=True))
-        and not self._writes_back_unchanged(loss_fn, params, state, batch)
-      ):
-        raise CaptureError(
-          "loss_fn changed the model's variables while computing the loss "
-          "(e.g. BatchNorm statistics, dropout RNG counters): graphpipe "
-          "captures pure losses; put such layers in inference mode or "
-          "make them deterministic"
-        )
-      return loss
-    bound = self.module.bind({"params": params, **self.state})
-    return loss_fn(bound, batch)
-
-  def _writes_back_unchanged(self, loss_fn, params, state, batch) -> bool:
-    """Whether every variable the loss left as a new value is its input,
-    passed through nested calls: nnx.remat and nnx.jit return the
-    variables they were given, as new tracers, even when nothing changed
-    (identity said 'changed', and such models were refused)."""
-
-    def before_and_after(params, state, batch):
-      model = nnx.merge(self.graphdef, params, state)
-      before = jax.tree.leaves(nnx.state(model))
-      with nnx_module_scopes(model):
-        loss_fn(model, batch)
-      return before, jax.tree.leaves(nnx.state(model))
-
-    shapes = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, state, batch)
-    )
-    jaxpr = jax.make_jaxpr(before_and_after)(*shapes).jaxpr
-    half = len(jaxpr.outvars) // 2
-    return all(
-      a in jaxpr.invars and source_input(jaxpr, b) == jaxpr.invars.index(a)
-      for a, b in zip(jaxpr.outvars[:half], jaxpr.outvars[half:], strict=True)
-    )
-
-  def split(self, variables):
-    """User variables (an NNX state/model or linen dict) -> (params, state)."""
-    if self.framework == "nnx":
-      if isinstance(variables, nnx.Module):
-        _, params, state = nnx.split(variables, nnx.Param, ...)
-        return params, state
-      _, params, state = nnx.split(
-        nnx.merge(self.graphdef, variables), nnx.Param, ...
-      )
-      return params, state
-    variables = unfreeze(variables)
-    return variables.pop("params", {}), variables
-
-
-# Linen errors of layers that change state or draw random numbers while
-# training: the batch's shapes are not the cause (the hint said they were).
-_STATEFUL_HINTS = {
-  name: "graphpipe captures pure losses: run such layers in inference mode "
-  "(BatchNorm use_running_average=True, Dropout deterministic=True)"
-  for name in ("ModifyScopeVariableError", "InvalidRngError")
-}
-
-
 def capture(
   loss_fn: Callable,
   model,
   batch,
   *,
   variables=None,
+  rngs: Sequence[str] = (),
   granularity: str | int = "layer",
   costs: bool = True,
   name: str = "",
@@ -214,6 +94,10 @@ def capture(
     model: an `nnx.Module`, or a `flax.linen.Module` with `variables`.
     batch: a pytree of arrays (or ShapeDtypeStructs), batch axis first.
     variables: the linen module's variables (`module.init(...)`).
+    rngs: the names of a linen module's random streams in training
+      (`make_rng` names: ('dropout',)). An NNX model's streams are its
+      `nnx.Rngs`. Streams draw by the per-sample rule of
+      `graphpipe.frontend.streams`: the trainer takes a key per step.
     granularity: where nodes are cut in the module tree: 'layer' (every
       innermost module call), or an int depth (1 = the root's children,
       2 = their children, ...; deeper calls belong to their ancestor at
@@ -241,7 +125,7 @@ def capture(
       f"granularity must be 'layer', 'block' or a depth >= 1, got "
       f"{granularity!r}"
     )
-  bound = _Bound(model, variables)
+  bound = Bound(model, variables, rngs)
   leaves = jax.tree.leaves(batch)
   if not leaves:
     raise CaptureError("the batch has no arrays")
@@ -263,24 +147,28 @@ def capture(
   abstract_batch = _abstract(batch)
   params_abs = _abstract(bound.params)
   state_abs = _abstract(bound.state)
-  batch_names = _leaf_names(batch)
+  streams_abs = bound.abstract_streams()
+  batch_names = leaf_names(batch)
 
   described_batch = jax.tree.map(
     lambda x: f"{x.dtype}{list(x.shape)}", abstract_batch
   )
 
   def trace(size: int):
-    def fn(params, state, b):
-      return bound.call(loss_fn, params, state, b)
+    def fn(params, state, streams, b):
+      return bound.call(loss_fn, params, state, streams, b)
 
     try:
       closed = jax.make_jaxpr(fn)(
-        params_abs, state_abs, _with_batch_size(abstract_batch, size)
+        params_abs,
+        state_abs,
+        streams_abs,
+        _with_batch_size(abstract_batch, size),
       )
     except CaptureError:
       raise
     except Exception as err:  # the user's code failed: say where to look
-      hint = _STATEFUL_HINTS.get(type(err).__name__)
+      hint = STATEFUL_HINTS.get(type(err).__name__)
       raise CaptureError(
         f"tracing loss_fn(model, batch) failed with {type(err).__name__}: "
         f"{err}\n"
@@ -315,12 +203,15 @@ def capture(
   input_keys = (
     [f"param:{n}" for n in bound.param_names]
     + [f"state:{n}" for n in bound.state_names]
+    + [f"rng:{n}" for n in bound.stream_names]
     + [f"batch:{n}" for n in batch_names]
   )
   num_model_vars = len(bound.param_names) + len(bound.state_names)
   model_vars = set(jaxpr.invars[:num_model_vars])
   model_vars |= set(jaxpr.constvars)
-  form = loss_form.find(jaxpr, large.jaxpr, num_model_vars)
+  form = loss_form.find(
+    jaxpr, large.jaxpr, num_model_vars, len(bound.stream_names)
+  )
 
   labels = labels_of(jaxpr, bound.framework, depth)
   module_eqns = [i for i in form.body if labels[i]]
@@ -355,7 +246,7 @@ def capture(
   names = name_nodes(
     grouping.labels, groups, min(module_eqns), max(module_eqns)
   )
-  flatten_inputs = _make_flatten(bound)
+  flatten_inputs = make_flatten(bound)
   program = Program(
     trace=trace,
     input_keys=input_keys,
@@ -364,7 +255,7 @@ def capture(
     batch_size=batch_size,
     closed=closed,
     flatten=flatten_inputs,
-    unflatten_params=_make_unflatten(bound),
+    unflatten_params=make_unflatten(bound),
   )
   loss_nodes = sorted(
     {int(k.split(":")[0][len("node") :]) for k in program.loss_keys}
@@ -391,31 +282,6 @@ def capture(
   graph.model = name or bound.root
   graph.config = config
   return graph
-
-
-def _make_unflatten(bound: _Bound):
-  treedef = jax.tree.structure(bound.params)
-
-  def unflatten(leaves):
-    return jax.tree.unflatten(treedef, leaves)
-
-  return unflatten
-
-
-def _make_flatten(bound: _Bound):
-  reference = jax.tree.structure((bound.params, bound.state))
-
-  def flatten(variables, batch):
-    params, state = bound.split(variables)
-    structure = jax.tree.structure((params, state))
-    if structure != reference:
-      raise CaptureError(
-        "these variables do not have the structure of the captured "
-        "model's: pass the variables (or model) the graph was captured from"
-      )
-    return jax.tree.leaves((params, state)) + jax.tree.leaves(batch)
-
-  return flatten
 
 
 def _build_graph(

@@ -142,18 +142,50 @@ def statistics_of(program, replicated):
   on_mesh = jax.jit(compute, out_shardings=replicated)
   on_host = jax.jit(compute)
 
-  def replicate(value: np.ndarray) -> jax.Array:
-    return jax.make_array_from_callback(
-      value.shape, replicated, lambda _: value
-    )
-
   def statistics(leaves, mesh: bool) -> dict:
     leaves = {n: leaves[n] for n in names}
     if mesh:
       return on_mesh(leaves)
-    return {k: replicate(np.asarray(v)) for k, v in on_host(leaves).items()}
+    return {
+      k: _replicate(np.asarray(v), replicated)
+      for k, v in on_host(leaves).items()
+    }
 
   return statistics
+
+
+def with_streams(fed: FedBatch, program, rng, replicated) -> FedBatch:
+  """`fed` with the keys of the random streams the model draws from
+  (`program.streams`) for the step's key `rng` (their data, replicated:
+  `graphpipe.frontend.streams`)."""
+  streams = program.streams
+  if not streams:
+    if rng is not None:
+      raise PipelineRuntimeError(
+        "rng= is for models that draw random numbers in training; this "
+        "one draws none (an NNX model's streams are its nnx.Rngs, a linen "
+        "module's are named at capture: rngs=('dropout',))"
+      )
+    return fed
+  if rng is None:
+    if all(k in fed.statistics for k in streams):
+      return fed  # put with its keys before
+    raise PipelineRuntimeError(
+      f"this model draws random numbers in training (streams "
+      f"{[k[len('rng:') :] for k in streams]}): pass the step's key, "
+      "trainer.step(state, batch, rng=jax.random.key(step))"
+    )
+  keys = program.stream_keys(rng)
+  data = {
+    k: _replicate(np.asarray(jax.random.key_data(keys[k])), replicated)
+    for k in streams
+  }
+  return fed._replace(statistics={**fed.statistics, **data})
+
+
+def _replicate(value: np.ndarray, replicated) -> jax.Array:
+  """A host value on every device of `replicated`'s mesh."""
+  return jax.make_array_from_callback(value.shape, replicated, lambda _: value)
 
 
 def device_packer(feeds: Sequence[DeviceFeed], num_words: int, sharding):

@@ -104,6 +104,7 @@ class StageLayout:
   in_edges: tuple[int, ...]  # indices into Layout.edges
   out_edges: tuple[int, ...]
   loss_keys: tuple[str, ...]
+  streams: tuple[str, ...] = ()  # 'rng:' keys of random streams read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,6 +389,7 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
         state=tuple(
           sorted({k for k in reads if k.startswith("state:")}, key=_key_order)
         ),
+        streams=tuple(sorted({k for k in reads if k.startswith("rng:")})),
         batch=tuple(
           sorted({k for k in reads if k.startswith("batch:")}, key=_key_order)
         ),

@@ -21,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -127,3 +129,40 @@ def runtime_report(
     stages=tuple(stage_of),
   )
   return MemoryReport.from_holdings(holdings, "runtime")
+
+
+def trainer_report(trainer, state=None, batch=None) -> dict:
+  """`Trainer.memory_report`: the prediction for its own layout and
+  buffers, and, given a state and a batch, the compiled step's figures."""
+  layout, buffers = trainer.layout, trainer.buffers
+  report = runtime_report(
+    layout, buffers, trainer.graph, trainer.optimizer, trainer.builder.tables
+  ).to_dict()
+  owner = layout.stage_of_device()
+  report["param_bytes_own"] = [
+    4 * layout.param_size(owner[d]) if d in owner else 0
+    for d in range(layout.num_devices)
+  ]
+  report["param_bytes_held"] = [4 * buffers.params.total()] * (
+    layout.num_devices
+  )
+  report["stash_bytes"] = buffers.stash_bytes()
+  if state is None or batch is None:
+    return report
+  start = time.perf_counter()
+  compiled = trainer.compiled(state, batch)
+  report["compile_time_s"] = time.perf_counter() - start
+  mem = compiled.memory_analysis()
+  report["compiled_bytes"] = None
+  report["peak_memory_bytes"] = None
+  if mem is not None:
+    report["compiled_bytes"] = int(
+      mem.argument_size_in_bytes
+      + mem.output_size_in_bytes
+      + mem.temp_size_in_bytes
+      - mem.alias_size_in_bytes
+    )
+    report["peak_memory_bytes"] = int(
+      getattr(mem, "peak_memory_in_bytes", 0) or report["compiled_bytes"]
+    )
+  return report

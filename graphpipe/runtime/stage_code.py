@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from graphpipe.frontend import streams
 from graphpipe.frontend.node_costs import save_products
 from graphpipe.frontend.program import Program
 from graphpipe.runtime import packing
@@ -100,6 +101,21 @@ class StageCode:
 
     return f
 
+  def chunk_streams(self, stage, device, microbatch, statistics) -> dict:
+    """The stage's random streams' keys for the chunk `device` runs of
+    micro-batch `microbatch` (traced): from its first sample of the batch
+    on (the per-sample rule, `graphpipe.frontend.streams`); the step's
+    keys' data are in `statistics`."""
+    s = self.layout.stages[stage]
+    first = microbatch * s.size + s.devices.index(device) * s.chunk
+    return {
+      k: streams.at_sample(
+        jax.random.wrap_key_data(statistics[k], impl=streams.PER_SAMPLE),
+        first,
+      )
+      for k in s.streams
+    }
+
   # Residuals (when not recomputing).
 
   def _abstract_inputs(self, stage):
@@ -119,6 +135,9 @@ class StageCode:
     batch.update(
       (k, jax.ShapeDtypeStruct(a.shape, a.dtype))
       for k, a in self.terms.statistic_avals.items()
+    )
+    batch.update(
+      (k, jax.ShapeDtypeStruct((), streams.DTYPE)) for k in s.streams
     )
     return params, acts, batch
 
@@ -141,7 +160,14 @@ class StageCode:
     outs, vjp = jax.vjp(diff, trainable, acts)
     leaves, treedef = jax.tree.flatten(vjp)
     param_ids = {id(v): k for k, v in trainable.items()}
-    keep = [i for i, x in enumerate(leaves) if id(x) not in param_ids]
+    # Keys of random streams are not stashed: the backward derives them
+    # again from its own inputs (the same micro-batch's keys).
+    keep = [
+      i
+      for i, x in enumerate(leaves)
+      if id(x) not in param_ids
+      and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    ]
     sources = {
       i: param_ids[id(x)] for i, x in enumerate(leaves) if id(x) in param_ids
     }

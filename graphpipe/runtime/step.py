@@ -224,7 +224,11 @@ class StepBuilder(StageCode):
     the batch's data statistics)."""
     trainable, frozen = self._read_variables(ops, stage)
     rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
-    return trainable, frozen, {**rows, **ops.statistics}
+    keys = self.chunk_streams(stage, device, ops.microbatch, ops.statistics)
+    statistics = {
+      k: v for k, v in ops.statistics.items() if not k.startswith("rng:")
+    }
+    return trainable, frozen, {**rows, **statistics, **keys}
 
   def _stage_acts(self, ops, stage):
     """A stage's input activations, read from this tick's stash slot."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -20,7 +19,7 @@ from graphpipe.core.stages import Plan
 from graphpipe.errors import PipelineRuntimeError
 from graphpipe.runtime import checkpoints, faults, feed, guards, slots
 from graphpipe.runtime.layout import build_layout
-from graphpipe.runtime.memory import runtime_report
+from graphpipe.runtime.memory import trainer_report
 from graphpipe.runtime.step import AXIS, StepBuilder
 from graphpipe.schedules.builders import schedule_for
 from graphpipe.schedules.checker import built_for, check_schedule
@@ -240,7 +239,7 @@ class Trainer:
     )
     return TrainState(params, state, self._init_opt(params), step_array)
 
-  def step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+  def step(self, state: TrainState, batch, rng=None) -> tuple[TrainState, dict]:
     """One optimizer step on `batch` (the plan's batch size).
 
     `state` is consumed (its buffers are donated to the new state): use
@@ -251,7 +250,7 @@ class Trainer:
     `PipelineRuntimeError` instead, the unchanged state in its `.state`.
     """
     guards.check_state(state, self._expected_state, self.mesh)
-    fed = self.put_batch(batch)
+    fed = self.put_batch(batch, rng)
     die_at = faults.armed("step")
     if die_at is not None and die_at == int(_first_shard(state.step)):
       self._step(state, fed.words, fed.statistics)
@@ -269,12 +268,14 @@ class Trainer:
       raise err
     return new, metrics
 
-  def loss_and_grads(self, state: TrainState, batch) -> tuple[float, dict]:
+  def loss_and_grads(
+    self, state: TrainState, batch, rng=None
+  ) -> tuple[float, dict]:
     """The pipelined loss and gradients by 'param:' key (no update)."""
     guards.check_state(state, self._expected_state, self.mesh)
     # The step consumes its state; it gets a copy, so `state` stays usable.
     state = jax.tree.map(jnp.copy, state)
-    fed = self.put_batch(batch)
+    fed = self.put_batch(batch, rng)
     _, metrics, grads = self._step(state, fed.words, fed.statistics)
     return float(_first_shard(metrics["loss"])), self._gather(grads)
 
@@ -365,9 +366,9 @@ class Trainer:
 
   # Reports.
 
-  def compiled(self, state: TrainState, batch):
+  def compiled(self, state: TrainState, batch, rng=None):
     """The compiled train step (for memory and cost analysis)."""
-    fed = self.put_batch(batch)
+    fed = self.put_batch(batch, rng)
     return self._step.lower(state, fed.words, fed.statistics).compile()
 
   def memory_report(self, state: TrainState | None = None, batch=None) -> dict:
@@ -380,42 +381,7 @@ class Trainer:
     step's figure ('compiled_bytes': arguments + outputs + temporaries -
     aliased, per device) and its compile time.
     """
-    report = runtime_report(
-      self.layout,
-      self.buffers,
-      self.graph,
-      self.optimizer,
-      self.builder.tables,
-    ).to_dict()
-    report["param_bytes_own"] = [
-      4 * self.layout.param_size(self.layout.stage_of_device()[d])
-      if d in self.layout.stage_of_device()
-      else 0
-      for d in range(self.layout.num_devices)
-    ]
-    report["param_bytes_held"] = [
-      4 * self.buffers.params.total()
-    ] * self.layout.num_devices
-    report["stash_bytes"] = self.buffers.stash_bytes()
-    if state is None or batch is None:
-      return report
-    start = time.perf_counter()
-    compiled = self.compiled(state, batch)
-    report["compile_time_s"] = time.perf_counter() - start
-    mem = compiled.memory_analysis()
-    report["compiled_bytes"] = None
-    report["peak_memory_bytes"] = None
-    if mem is not None:
-      report["compiled_bytes"] = int(
-        mem.argument_size_in_bytes
-        + mem.output_size_in_bytes
-        + mem.temp_size_in_bytes
-        - mem.alias_size_in_bytes
-      )
-      report["peak_memory_bytes"] = int(
-        getattr(mem, "peak_memory_in_bytes", 0) or report["compiled_bytes"]
-      )
-    return report
+    return trainer_report(self, state, batch)
 
   # Helpers.
 
@@ -437,9 +403,11 @@ class Trainer:
       for x in host
     )
 
-  def put_batch(self, batch) -> feed.FedBatch:
+  def put_batch(self, batch, rng=None) -> feed.FedBatch:
     """`batch` as the step takes it: each device's own rows of the leaves
-    its stage reads (`graphpipe.core.feed`), placed on its device.
+    its stage reads (`graphpipe.core.feed`), placed on its device, and for
+    a model that draws in training its streams' keys from the step's key
+    `rng` (`graphpipe.frontend.streams`).
 
     `step` and `loss_and_grads` do this to a batch they are given; a batch
     put once can be given to them again without moving any data.
@@ -448,7 +416,7 @@ class Trainer:
       self._packer = feed.device_packer(
         self.builder.feeds, self.buffers.feed, self._rows
       )
-    return feed.put(
+    fed = feed.put(
       batch,
       self.graph.inputs,
       self.plan.batch_size,
@@ -458,6 +426,7 @@ class Trainer:
       self._packer,
       self._statistics,
     )
+    return feed.with_streams(fed, self.graph.program, rng, self._replicated)
 
   def _gather(self, rows: tuple) -> dict:
     """Each stage's slots (from its first device) -> values by key."""

@@ -12,6 +12,7 @@ from graphpipe.frontend.samplewise.state import (
   POSITION,
   ROWS,
   State,
+  mixed,
   same_layout,
   shape_of,
 )
@@ -204,11 +205,35 @@ def draw(walk, ea, eb, ins, out_axes):
   key = ins[0]
   params = any(s.params for s in ins)
   if not out_axes[0]:
+    drawn = shape_of(ea.outvars[0])
+    if key.stream and ea.primitive.name != "random_split" and drawn:
+      return [
+        mixed(
+          f"{walk.describe(ea)} draws {drawn} from a training stream, not "
+          "in the batch's shape: the per-sample rule takes a draw's "
+          "leading axis as samples, so each micro-batch would draw it anew",
+          True,
+        )
+      ] * len(ea.outvars)
     return combine_all(walk, ea, ins, out_axes)
   if key.kind == ROWS and key.axis == out_axes[0][0]:
     return [State(ROWS, params, key.axis, key.layout)] * len(ea.outvars)
   if key.kind == ROWS and key.layout is None:
     return [State(ROWS, params, out_axes[0][0], None)] * len(ea.outvars)
+  if key.stream and ea.primitive.name != "random_split":
+    if out_axes[0] == [0]:  # sample j's part from fold_in(key, j)
+      size = shape_of(eb.outvars[0])[0]
+      return [State(ROWS, params, 0, ((size, True),))] * len(ea.outvars)
+    return [
+      State(
+        POSITION,
+        params,
+        out_axes[0][0],
+        why=f"{walk.describe(ea)} draws from a training stream with the "
+        "batch on another axis than the first (the per-sample rule takes "
+        "the leading axis as samples)",
+      )
+    ] * len(ea.outvars)
   return [
     State(
       POSITION,

@@ -68,7 +68,7 @@ def combine(walk, ea, ins, out_axes, *, what="combines") -> State:
   if not out_axes[0]:
     if any(s.kind == GLOBAL for s in ins):
       return State(GLOBAL, params, local=any(s.local for s in ins))
-    return free(params)
+    return free(params, any(s.stream for s in ins))
   return out_rows(out_axes[0], layout, params)
 
 

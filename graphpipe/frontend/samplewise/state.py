@@ -31,6 +31,9 @@ class State:
   summed: bool = False
   local: bool = False
   why: str = ""
+  # FREE: a key of a training stream (or derived from one), whose draws
+  # follow the per-sample rule (`graphpipe.frontend.streams`).
+  stream: bool = False
 
   @property
   def batched(self) -> bool:
@@ -49,8 +52,8 @@ class State:
     return canonical(self.layout)[0][1]
 
 
-def free(params=False) -> State:
-  return State(FREE, params)
+def free(params=False, stream=False) -> State:
+  return State(FREE, params, stream=stream)
 
 
 def rows(axis: int, size: int, params=False) -> State:

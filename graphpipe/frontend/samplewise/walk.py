@@ -147,7 +147,13 @@ class Walk:
     if not any(s.batched or s.kind == GLOBAL for s in ins) and not any(
       out_axes
     ):
-      return [free(params)] * len(ea.outvars)
+      stream = any(s.stream for s in ins)
+      # A stream's key into a draw or a call (that may draw): walked.
+      if not stream or (
+        ea.primitive.name not in _DRAWS
+        and not jex.core.jaxprs_in_params(ea.params)
+      ):
+        return [free(params, stream)] * len(ea.outvars)
     # A literal that changes with the batch size (x / x.shape[0]) makes
     # a chunk's values differ from its part of the batch's.
     differs = any(
