@@ -12,6 +12,8 @@ Capture records where a model cannot be cut freely (`OpGraph.meta`):
   cut_rules.joined  node pairs carrying a value without a batch axis (a
                     batch statistic, a transform of parameters): one
                     stage;
+  cut_rules.statistics  nodes normalising by their chunk's statistics
+                    (BatchNorm in training): chunks of one size;
 
 and `OpGraph.traces_at(size)` says whether the model's code traces at a
 chunk size. `refusal(graph, plan)` is None exactly when a plan respects all
@@ -82,5 +84,13 @@ def refusal(graph: OpGraph, plan: Plan) -> str | None:
         f"nodes {graph.nodes[a].name!r} and {graph.nodes[b].name!r} take "
         "chunks of different sizes, but a value between them holds samples "
         "apart along its batch axis"
+      )
+  for a, b in rules.get("statistics", ()):
+    if owner[a] != owner[b] and chunk[owner[a]] != chunk[owner[b]]:
+      return (
+        f"nodes {graph.nodes[a].name!r} and {graph.nodes[b].name!r} "
+        "normalise by their chunk's batch statistics (BatchNorm in "
+        "training) but take chunks of different sizes: give their stages "
+        "one micro-batch size per device"
       )
   return None

@@ -18,7 +18,6 @@ from flax.core import unfreeze
 
 from graphpipe.errors import CaptureError
 from graphpipe.frontend import streams as stream_rules
-from graphpipe.frontend.program import source_input
 from graphpipe.frontend.scopes import nnx_module_scopes, path_to_str
 
 
@@ -42,8 +41,6 @@ def leaf_names(tree, drop_value=False) -> list[str]:
 # Linen errors of layers that change state or draw random numbers while
 # training: the batch's shapes are not the cause (the hint said they were).
 STATEFUL_HINTS = {
-  "ModifyScopeVariableError": "graphpipe captures pure losses: run such "
-  "layers in inference mode (BatchNorm use_running_average=True)",
   "InvalidRngError": "name the module's random streams at capture "
   "(capture(..., rngs=('dropout',))), or run it deterministically",
 }
@@ -76,6 +73,11 @@ class Bound:
       self.param_names = leaf_names(self.params, drop_value=True)
       self.state_names = leaf_names(self.state, drop_value=True)
       self.stream_names = leaf_names(self.streams, drop_value=True)
+      # Each draw advances its stream's count: not an update to train
+      # (graphpipe's keys are given per step).
+      self.counts = set(
+        leaf_names(nnx.state(model, nnx.RngCount), drop_value=True)
+      )
       self.root = type(model).__name__
     elif isinstance(model, nn.Module):
       if variables is None:
@@ -96,6 +98,7 @@ class Bound:
       self.state_names = leaf_names(self.state)
       self.stream_names = list(rngs)
       self.streams = {n: stream_rules.per_sample_key(0) for n in rngs}
+      self.counts = set()
       self.root = type(model).__name__
     else:
       raise CaptureError(
@@ -117,50 +120,38 @@ class Bound:
     )
 
   def call(self, loss_fn, params, state, streams, batch):
+    """(loss, parameter leaves, state leaves) after `loss_fn` ran: a
+    variable the loss left as it was comes back as its input (the tracer
+    tells updates, BatchNorm's running statistics, from inputs)."""
     if self.framework == "nnx":
       model = nnx.merge(self.graphdef, params, streams, state)
-      before = _checked(model)
       with nnx_module_scopes(model):
         loss = loss_fn(model, batch)
-      after = _checked(model)
-      if len(before) != len(after) or (
-        any(a is not b for a, b in zip(before, after, strict=True))
-        and not self._writes_back_unchanged(
-          loss_fn, params, state, streams, batch
-        )
-      ):
+      _, params_after, _, state_after = nnx.split(
+        model, nnx.Param, nnx.RngKey, ...
+      )
+      if jax.tree.structure(state_after) != jax.tree.structure(state):
         raise CaptureError(
-          "loss_fn changed the model's variables while computing the loss "
-          "(e.g. BatchNorm statistics): graphpipe captures pure losses; "
-          "put such layers in inference mode"
+          "loss_fn added or removed model variables while computing the "
+          "loss (e.g. nnx.sow of intermediates): graphpipe needs the "
+          "model's variables to keep their structure"
         )
-      return loss
-    bound = self.module.bind({"params": params, **self.state}, rngs=streams)
-    return loss_fn(bound, batch)
-
-  def _writes_back_unchanged(self, loss_fn, params, state, streams, batch):
-    """Whether every variable the loss left as a new value is its input,
-    passed through nested calls: nnx.remat and nnx.jit return the
-    variables they were given, as new tracers, even when nothing changed
-    (identity said 'changed', and such models were refused)."""
-
-    def before_and_after(params, state, streams, batch):
-      model = nnx.merge(self.graphdef, params, streams, state)
-      before = _checked(model)
-      with nnx_module_scopes(model):
-        loss_fn(model, batch)
-      return before, _checked(model)
-
-    shapes = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-      (params, state, streams, batch),
+      return loss, jax.tree.leaves(params_after), jax.tree.leaves(state_after)
+    bound = self.module.bind(
+      {"params": params, **state},
+      rngs=streams,
+      mutable=list(self.state),
     )
-    jaxpr = jax.make_jaxpr(before_and_after)(*shapes).jaxpr
-    half = len(jaxpr.outvars) // 2
-    return all(
-      a in jaxpr.invars and source_input(jaxpr, b) == jaxpr.invars.index(a)
-      for a, b in zip(jaxpr.outvars[:half], jaxpr.outvars[half:], strict=True)
-    )
+    loss = loss_fn(bound, batch)
+    after = unfreeze(bound.variables)
+    after.pop("params", None)
+    if jax.tree.structure(after) != jax.tree.structure(state):
+      raise CaptureError(
+        "loss_fn added variables while computing the loss (e.g. sow into "
+        f"a collection): collections {sorted(after)} after the call, "
+        f"{sorted(state)} before"
+      )
+    return loss, jax.tree.leaves(params), jax.tree.leaves(after)
 
   def split(self, variables):
     """User variables (an NNX state/model or linen dict) -> (params,
@@ -176,17 +167,16 @@ class Bound:
     return variables.pop("params", {}), variables, None
 
 
-def _checked(model) -> list:
-  """The variables a loss must not change: all but the streams' counts
-  (each draw advances them; graphpipe's keys are given per step)."""
-  return jax.tree.leaves(nnx.state(model, nnx.Not(nnx.RngCount)))
-
-
 def make_unflatten(bound: Bound):
-  treedef = jax.tree.structure(bound.params)
+  """f(leaves, kind) -> the user's parameters ('param') or other
+  variables ('state') from their leaves."""
+  treedefs = {
+    "param": jax.tree.structure(bound.params),
+    "state": jax.tree.structure(bound.state),
+  }
 
-  def unflatten(leaves):
-    return jax.tree.unflatten(treedef, leaves)
+  def unflatten(leaves, kind="param"):
+    return jax.tree.unflatten(treedefs[kind], leaves)
 
   return unflatten
 

@@ -41,7 +41,9 @@ import math
 import jax.extend as jex
 
 from graphpipe.errors import CaptureError
+from graphpipe.frontend import running
 from graphpipe.frontend import samplewise as sw
+from graphpipe.frontend.dataflow import operands, producers, slice_of
 
 # A value of the traced loss, valid at any batch size: the k-th output of
 # equation i ('eqn', i, k), input i ('in', i) or constant k ('const', k).
@@ -83,6 +85,8 @@ class LossForm:
   penalties: tuple[tuple[Ref, int], ...] = ()
   penalty_eqns: tuple[int, ...] = ()
   apart: tuple[tuple[Ref, str], ...] = ()
+  updates: tuple[Ref, ...] = ()
+  statistics: tuple[Ref, ...] = ()
 
   def describe(self) -> str:
     """One line: the loss's terms and how micro-batches combine."""
@@ -122,24 +126,18 @@ def resolve(jaxpr, ref: Ref):
   return jaxpr.constvars[ref[1]]
 
 
-def producers(jaxpr) -> dict:
-  return {
-    v: (i, k) for i, e in enumerate(jaxpr.eqns) for k, v in enumerate(e.outvars)
-  }
-
-
-def _vars(eqn):
-  return [v for v in eqn.invars if not isinstance(v, jex.core.Literal)]
-
-
-def find(small, large, num_vars: int, num_streams: int = 0) -> LossForm:
+def find(
+  small, large, num_vars: int, num_streams: int = 0, updated=()
+) -> LossForm:
   """The loss's form from its jaxpr at two batch sizes.
 
   Args:
-    small, large: the loss jaxpr (open) at two batch sizes.
+    small, large: the loss jaxpr (open) at two batch sizes: the loss, then
+      the new values of the state variables it updates.
     num_vars: how many leading inputs are model variables (parameters and
       state); `num_streams` random streams' keys follow them, then the
       batch leaves.
+    updated: input indices of the state variables the loss updates.
 
   Raises:
     CaptureError: where the loss has no batch-dependent term that depends
@@ -154,8 +152,6 @@ def find(small, large, num_vars: int, num_streams: int = 0) -> LossForm:
       for i in range(first_leaf, len(small.invars))
     ]
   )
-  walk = sw.Walk(small, large, inputs)
-  states = walk.states
   producer = producers(small)
   shapes_large = {}
   for ea, eb in zip(small.eqns, large.eqns, strict=True):
@@ -167,6 +163,20 @@ def find(small, large, num_vars: int, num_streams: int = 0) -> LossForm:
   def batched(v) -> bool:
     return tuple(v.aval.shape) != tuple(shapes_large.get(v, v.aval.shape))
 
+  updates = list(small.outvars[1:])
+  if any(v not in producer for v in updates):
+    raise CaptureError(
+      "loss_fn sets a state variable to a constant or to another input: "
+      "graphpipe trains state updated from the batch (running statistics)"
+    )
+  statistics = running.chunk_statistics(
+    small, producer, sw.Walk(small, large, inputs).states, updates, batched
+  )
+  walk = sw.Walk(
+    small, large, inputs, overrides=dict.fromkeys(statistics, sw.free(True))
+  )
+  states = walk.states
+
   def data_statistic(v) -> bool:
     """Computed from the batch's data alone, without a batch axis (its
     equation reads no variable: a nested call may return such a value
@@ -176,11 +186,10 @@ def find(small, large, num_vars: int, num_streams: int = 0) -> LossForm:
       return False
     if batched(v) or v not in producer:
       return False
-    return not any(
-      states[u].params for u in _vars(small.eqns[producer[v][0]]) if u in states
-    )
+    eqn = small.eqns[producer[v][0]]
+    return not any(states[u].params for u in operands(eqn) if u in states)
 
-  (loss,) = small.outvars
+  loss = small.outvars[0]
   if isinstance(loss, jex.core.Literal) or loss not in states:
     raise CaptureError(
       "the loss does not depend on any computation of the model: loss_fn "
@@ -210,13 +219,13 @@ def find(small, large, num_vars: int, num_streams: int = 0) -> LossForm:
         roots.append(v)
       else:
         head.add(i)
-        stack.extend(_vars(eqn))
+        stack.extend(operands(eqn))
       continue
-    if any(batched(u) for u in _vars(eqn)):
+    if any(batched(u) for u in operands(eqn)):
       sums.append(v)  # a reduction over the batch: a loss output
       continue
     head.add(i)
-    stack.extend(_vars(eqn))
+    stack.extend(operands(eqn))
   if not sums:
     raise CaptureError(
       "the loss does not depend on the parameters through the batch (no "
@@ -224,13 +233,14 @@ def find(small, large, num_vars: int, num_streams: int = 0) -> LossForm:
       "to train by pipelining"
     )
   sums.sort(key=lambda v: producer[v])
-  body = _slice(small, producer, sums, data_statistic)
+  running.check_reads(small, producer, sums, roots, statistics, updated)
+  body = slice_of(small, producer, sums + updates, data_statistic)
   for i in body:  # statistics the per-sample code reads (x - mean(x))
-    for u in _vars(small.eqns[i]):
+    for u in operands(small.eqns[i]):
       if u in producer and data_statistic(u) and u not in data:
         data.append(u)
   data.sort(key=lambda v: producer[v])
-  prepass = _slice(small, producer, data)
+  prepass = slice_of(small, producer, data)
   sum_sizes = tuple(math.prod(v.aval.shape) for v in sums)
   affine = _affine(small, sorted(head), set(sums))
   if not affine and sum(sum_sizes) != 1:
@@ -278,22 +288,9 @@ def find(small, large, num_vars: int, num_streams: int = 0) -> LossForm:
     mode="affine" if affine else "scaled",
     sum_sizes=sum_sizes,
     unsplittable=unsplittable,
+    updates=tuple(ref_of(small, producer, v) for v in updates),
+    statistics=tuple(ref_of(small, producer, v) for v in statistics),
   )
-
-
-def _slice(jaxpr, producer, roots, stop=lambda v: False) -> list[int]:
-  """Equations that compute `roots`, not looking past operands `stop`
-  names (sorted: a topological order)."""
-  needed, stack = set(), [v for v in roots if v in producer]
-  while stack:
-    i = producer[stack.pop()][0]
-    if i in needed:
-      continue
-    needed.add(i)
-    stack.extend(
-      u for u in _vars(jaxpr.eqns[i]) if u in producer and not stop(u)
-    )
-  return sorted(needed)
 
 
 # Primitives through which a value stays affine in its operands.
@@ -351,7 +348,7 @@ def assign_penalties(form: LossForm, jaxpr, num_vars: int, groups) -> LossForm:
   node_of_var, node_of_out = {}, {}
   for node, group in enumerate(groups):
     for i in group:
-      for v in _vars(jaxpr.eqns[i]):
+      for v in operands(jaxpr.eqns[i]):
         if v in where:
           node_of_var.setdefault(where[v], node)
       for v in jaxpr.eqns[i].outvars:
@@ -393,7 +390,7 @@ def assign_penalties(form: LossForm, jaxpr, num_vars: int, groups) -> LossForm:
     if not who:  # built from constants alone: the head computes it
       if v in producer:
         head.add(producer[v][0])
-        stack.extend(_vars(eqns[producer[v][0]]))
+        stack.extend(operands(eqns[producer[v][0]]))
       continue
     if len(who) == 1:
       terms.append((v, next(iter(who))))
@@ -407,7 +404,7 @@ def assign_penalties(form: LossForm, jaxpr, num_vars: int, groups) -> LossForm:
       )
     i = producer[v][0]
     head.add(i)
-    stack.extend(_vars(eqns[i]))
+    stack.extend(operands(eqns[i]))
   elements = sum(math.prod(v.aval.shape) for v, _ in terms)
   if elements > 1 << 16:
     raise CaptureError(
@@ -417,7 +414,7 @@ def assign_penalties(form: LossForm, jaxpr, num_vars: int, groups) -> LossForm:
       "leaves)) so that each layer's stage computes its own part"
     )
   terms.sort(key=lambda t: ref_of(jaxpr, producer, t[0]))
-  needed = _slice(jaxpr, producer, [v for v, _ in terms])
+  needed = slice_of(jaxpr, producer, [v for v, _ in terms])
   return dataclasses.replace(
     form,
     head=tuple(sorted(head)),

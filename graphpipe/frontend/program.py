@@ -97,6 +97,8 @@ class Pieces:
   prepass: NodeProgram  # batch -> 'global:<k>' (data statistics)
   penalties: dict[int, NodeProgram]  # node -> its 'penalty:<k>' terms
   head: NodeProgram  # sums, statistics, penalties -> the loss
+  updates: dict[str, str]  # 'state:<path>' -> the node output of its update
+  statistic_nodes: tuple[int, ...]  # nodes computing chunk statistics
 
 
 def cut(
@@ -104,6 +106,7 @@ def cut(
   input_keys: Sequence[str],
   groups: Sequence[Sequence[int]],
   form: LossForm,
+  update_keys: Sequence[str] = (),
 ) -> Pieces:
   """Cuts `closed` into one jaxpr per group of equation indices, and
   the pre-pass, penalty and head programs of its loss form.
@@ -114,6 +117,8 @@ def cut(
     groups: equation indices of each node (the form's body), nodes in
       topological order.
     form: the loss's form (`graphpipe.frontend.loss_form`).
+    update_keys: the state variables the loss updates, in the order of
+      `form.updates` (the jaxpr's outputs after the loss).
   """
   jaxpr = closed.jaxpr
   key_of = {}
@@ -143,7 +148,8 @@ def cut(
       for v in jaxpr.eqns[i].invars:
         if _is_var(v) and v in owner and owner[v] != node and v not in defined:
           exported[owner[v]].setdefault(v, None)
-  for v in sums:
+  updates = [resolve(jaxpr, r) for r in form.updates]
+  for v in sums + updates:
     exported[owner[v]].setdefault(v, None)
   for node, outs in enumerate(exported):
     for k, v in enumerate(outs):
@@ -173,17 +179,25 @@ def cut(
     [jaxpr.eqns[i] for i in form.prepass], key_of, data, "prepass"
   )
   head_keys = {**key_of, **penalty_keys}
-  (loss,) = jaxpr.outvars
-  head_keys.setdefault(loss, "loss")
+  head_keys.setdefault(jaxpr.outvars[0], "loss")
   head = sub_program(
-    [jaxpr.eqns[i] for i in form.head], head_keys, [loss], "head"
+    [jaxpr.eqns[i] for i in form.head], head_keys, [jaxpr.outvars[0]], "head"
   )
   producer = producers(jaxpr)
   refs = {
     key_of[v]: ref_of(jaxpr, producer, v) for outs in exported for v in outs
   }
+  statistics = {resolve(jaxpr, r) for r in form.statistics}
   return Pieces(
-    nodes, refs, consts, [key_of[v] for v in sums], prepass, penalties, head
+    nodes,
+    refs,
+    consts,
+    [key_of[v] for v in sums],
+    prepass,
+    penalties,
+    head,
+    {k: key_of[v] for k, v in zip(update_keys, updates, strict=True)},
+    tuple(sorted({owner[v] for v in statistics if v in owner})),
   )
 
 
@@ -216,7 +230,10 @@ class Program:
   Attributes (at this batch size, `cut`): `nodes`, `consts`, `loss_keys`
   (the sums over the batch each micro-batch adds to), `prepass` (the
   batch's data statistics), `penalties` (per node, its parameter-only
-  terms) and `head` (the loss from those).
+  terms), `head` (the loss from those), `updates` ('state:' key -> the
+  node output holding the variable's new value after a chunk: BatchNorm's
+  running statistics) and `statistic_nodes` (nodes normalising by their
+  chunk's statistics).
   """
 
   def __init__(
@@ -230,6 +247,7 @@ class Program:
     closed: jex.core.ClosedJaxpr,
     flatten: Callable,
     unflatten_params: Callable | None = None,
+    update_keys: Sequence[str] = (),
   ):
     self._trace = trace
     self.input_keys = tuple(input_keys)
@@ -240,8 +258,11 @@ class Program:
     self._flatten = flatten
     self._unflatten_params = unflatten_params
     self._signature = primitive_signature(closed.jaxpr)
-    pieces = cut(closed, self.input_keys, self.groups, form)
+    self.update_keys = tuple(update_keys)
+    pieces = cut(closed, self.input_keys, self.groups, form, update_keys)
     self.nodes, self.consts = pieces.nodes, pieces.consts
+    self.updates = pieces.updates
+    self.statistic_nodes = pieces.statistic_nodes
     self.refs = pieces.refs
     self.loss_keys = pieces.loss_keys
     self.prepass, self.penalties = pieces.prepass, pieces.penalties
@@ -266,14 +287,20 @@ class Program:
     'apart', an edge whose values hold samples apart along the batch axis
     (a time-major reshape): both ends take chunks of one size; 'joined',
     an edge carrying a value without a batch axis (a statistic over the
-    batch, a transform of parameters): both ends in one stage."""
+    batch, a transform of parameters): both ends in one stage;
+    'statistics', layers normalising by their chunk's statistics
+    (BatchNorm in training): chunks of one size."""
     apart = {ref for ref, _ in self.form.apart}
     large = self.at_batch_size(2 * self.batch_size)
     shapes = {}
     for node in large.nodes:
       shapes.update(zip(node.outputs, node.output_avals(), strict=True))
     producer = {k: n for n, node in enumerate(self.nodes) for k in node.outputs}
-    rules = {"apart": set(), "joined": set()}
+    rules = {"apart": set(), "joined": set(), "statistics": set()}
+    # Layers normalising by their chunk's statistics (BatchNorm in
+    # training) all see chunks of one size: the plan's micro-batch.
+    first, *rest = self.statistic_nodes or (None,)
+    rules["statistics"].update((first, n) for n in rest)
     for dst, node in enumerate(self.nodes):
       for key, aval in zip(node.inputs, node.input_avals(), strict=True):
         if key not in producer:
@@ -305,6 +332,7 @@ class Program:
       closed=closed,
       flatten=self._flatten,
       unflatten_params=self._unflatten_params,
+      update_keys=self.update_keys,
     )
     other._by_size, other._refused = self._by_size, self._refused
     self._by_size[batch_size] = other
@@ -344,10 +372,17 @@ class Program:
     """Parameters by 'param:' key -> the user's structure (nnx.State...);
     keys `values` lacks (parameters no node reads) are taken from the
     variables `fallback` (KeyError without)."""
-    keys = [k for k in self.input_keys if k.startswith("param:")]
+    return self._unflatten("param", values, fallback)
+
+  def unflatten_state(self, values: dict[str, object], fallback=None):
+    """`unflatten_params` for the other variables ('state:' keys)."""
+    return self._unflatten("state", values, fallback)
+
+  def _unflatten(self, kind, values, fallback):
+    keys = [k for k in self.input_keys if k.startswith(f"{kind}:")]
     if fallback is not None and any(k not in values for k in keys):
       values = {**self.variable_values(fallback), **values}
-    return self._unflatten_params([values[k] for k in keys])
+    return self._unflatten_params([values[k] for k in keys], kind)
 
   def evaluate(self, variables, batch, rng=None):
     """The loss, computed piece by piece (see OpGraph.evaluate)."""

@@ -36,6 +36,7 @@ from graphpipe.frontend.grouping import (
 from graphpipe.frontend.program import (
   Program,
   primitive_signature,
+  source_input,
 )
 
 
@@ -154,9 +155,18 @@ def capture(
     lambda x: f"{x.dtype}{list(x.shape)}", abstract_batch
   )
 
+  # Which state variables the loss updates (BatchNorm's running
+  # statistics): known after the first trace, which returns them all.
+  updated: list[int] | None = None
+
   def trace(size: int):
     def fn(params, state, streams, b):
-      return bound.call(loss_fn, params, state, streams, b)
+      loss, params_after, state_after = bound.call(
+        loss_fn, params, state, streams, b
+      )
+      if updated is None:
+        return loss, params_after, state_after
+      return loss, [state_after[j] for j in updated]
 
     try:
       closed = jax.make_jaxpr(fn)(
@@ -178,7 +188,12 @@ def capture(
           f"(batch: {described_batch})"
         )
       ) from err
-    outs = closed.out_avals
+    num_loss = len(closed.out_avals) - (
+      len(bound.param_names) + len(bound.state_names)
+      if updated is None
+      else len(updated)
+    )
+    outs = closed.out_avals[:num_loss]
     if (
       len(outs) != 1
       or outs[0].shape != ()
@@ -191,6 +206,7 @@ def capture(
       )
     return closed
 
+  updated = _updated_state(trace(batch_size), bound)
   closed = trace(batch_size)
   large = trace(2 * batch_size)
   if primitive_signature(large.jaxpr) != primitive_signature(closed.jaxpr):
@@ -200,6 +216,7 @@ def capture(
       "the batch size, so it cannot be cut into micro-batches"
     )
   jaxpr = closed.jaxpr
+  update_keys = [f"state:{bound.state_names[j]}" for j in updated]
   input_keys = (
     [f"param:{n}" for n in bound.param_names]
     + [f"state:{n}" for n in bound.state_names]
@@ -209,8 +226,13 @@ def capture(
   num_model_vars = len(bound.param_names) + len(bound.state_names)
   model_vars = set(jaxpr.invars[:num_model_vars])
   model_vars |= set(jaxpr.constvars)
+  num_params = len(bound.param_names)
   form = loss_form.find(
-    jaxpr, large.jaxpr, num_model_vars, len(bound.stream_names)
+    jaxpr,
+    large.jaxpr,
+    num_model_vars,
+    len(bound.stream_names),
+    [num_params + j for j in updated],
   )
 
   labels = labels_of(jaxpr, bound.framework, depth)
@@ -256,6 +278,7 @@ def capture(
     closed=closed,
     flatten=flatten_inputs,
     unflatten_params=make_unflatten(bound),
+    update_keys=update_keys,
   )
   loss_nodes = sorted(
     {int(k.split(":")[0][len("node") :]) for k in program.loss_keys}
@@ -282,6 +305,37 @@ def capture(
   graph.model = name or bound.root
   graph.config = config
   return graph
+
+
+def _updated_state(closed, bound) -> list[int]:
+  """Indices of the state variables the traced loss (returning the loss,
+  then every parameter and state leaf after the call) changes; a
+  parameter it changes is refused."""
+  jaxpr = closed.jaxpr
+  num_params = len(bound.param_names)
+  outs = jaxpr.outvars[1:]
+  for k, v in enumerate(outs[:num_params]):
+    if source_input(jaxpr, v) != k:
+      raise CaptureError(
+        f"loss_fn changed the parameter {bound.param_names[k]} while "
+        "computing the loss: graphpipe trains parameters with the "
+        "optimizer only"
+      )
+  updated = []
+  for j, v in enumerate(outs[num_params:]):
+    if bound.state_names[j] in bound.counts:
+      continue
+    if source_input(jaxpr, v) != num_params + j:
+      aval = v.aval
+      if not jnp.issubdtype(aval.dtype, jnp.floating):
+        raise CaptureError(
+          f"loss_fn updates {bound.state_names[j]} ({aval.dtype}) while "
+          "computing the loss: graphpipe trains state updates of floating "
+          "point values only (running statistics; a replicated stage "
+          "averages its replicas' values)"
+        )
+      updated.append(j)
+  return updated
 
 
 def _build_graph(

@@ -105,6 +105,8 @@ class StageLayout:
   out_edges: tuple[int, ...]
   loss_keys: tuple[str, ...]
   streams: tuple[str, ...] = ()  # 'rng:' keys of random streams read
+  # ('state:' key, node output key): variables its nodes update
+  updates: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +208,11 @@ def _check_sample_rows(program: Program, crossings) -> None:
         "sample-major where a value leaves a stage ((B, T, ...) -> "
         "(B * T, ...)), or keep such values inside one stage"
       )
-  # A second line of defence: the same on made-up inputs.
+  # A second line of defence: the same on made-up inputs. (Not where
+  # layers normalise by their chunk's statistics: every value after them
+  # changes with every sample of the chunk, by the semantics chosen.)
+  if program.statistic_nodes:
+    return
   mixed = samples.mixed_values(program, {key for key, _, _ in crossings})
   for key, src, dst in crossings:
     if key in mixed:
@@ -353,6 +359,18 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
       rechunked.update((key, src, dst) for key in keys)
     edge_index[(src, dst)] = len(edges)
     edges.append(EdgeLayout(src, dst, tuple(values)))
+  chunks = {
+    s.id: s.micro_batch_size // len(s.devices)
+    for s in plan.stages
+    if any(n in program.statistic_nodes for n in s.nodes)
+  }
+  if len(set(chunks.values())) > 1:
+    raise PipelineRuntimeError(
+      "layers normalising by their chunk's batch statistics (BatchNorm in "
+      f"training) run on chunks of different sizes (stage: samples "
+      f"{chunks}): each would see statistics of another number of "
+      "samples. Give those stages one micro-batch size per device"
+    )
   _check_sample_rows(program, rechunked)
   # Every cross-stage read must follow a stage edge.
   for s in plan.stages:
@@ -400,8 +418,12 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
           edge_index[(s.id, t)] for t in sorted(plan.successors(s.id))
         ),
         loss_keys=tuple(k for k in produced if k in loss_keys),
+        updates=tuple(
+          (k, v) for k, v in base.updates.items() if v in set(produced)
+        ),
       )
     )
+  _check_updates(stages)
   transfers = [
     Transfer(e, sd, dd, src_row, dst_row, rows, piece)
     for e, sd, dd, piece, src_row, dst_row, rows in overlaps(
@@ -424,6 +446,19 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
     num_microbatches=plan.num_microbatches,
     num_devices=plan.num_devices,
   )
+
+
+def _check_updates(stages):
+  """A state variable a stage updates is read by that stage alone."""
+  for s in stages:
+    for key, _ in s.updates:
+      others = [t.id for t in stages if t.id != s.id and key in t.state]
+      if key not in s.state or others:
+        raise PipelineRuntimeError(
+          f"{key} is updated by stage {s.id} but read by stage(s) "
+          f"{others or 'none holding it'}: a variable the loss updates "
+          "(running statistics) must stay with the stage that updates it"
+        )
 
 
 def _key_order(key: str):

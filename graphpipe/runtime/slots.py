@@ -18,9 +18,11 @@ __all__ = [
   "SlotLayout",
   "host_slots",
   "host_values",
+  "masks",
   "plan_slots",
   "read",
   "scatter",
+  "write",
 ]
 
 
@@ -84,6 +86,29 @@ def scatter(layout: SlotLayout, stage: int, values: dict) -> tuple:
   return tuple(out)
 
 
+def write(layout: SlotLayout, stage: int, slots, values: dict) -> tuple:
+  """This device's `slots` with `values` (key -> array, floating point)
+  of `stage` written in."""
+  out = list(slots)
+  for key, value in values.items():
+    slot, offset = layout.places[stage][key]
+    flat = value.reshape(-1).astype(jnp.float32)
+    out[slot] = lax.dynamic_update_slice_in_dim(out[slot], flat, offset, 0)
+  return tuple(out)
+
+
+def masks(layout: SlotLayout, stage: int, keys) -> list:
+  """Per slot, a numpy bool mask of where `keys` of `stage` lie (None for
+  a slot holding none of them)."""
+  out = [None] * len(layout.sizes)
+  for key in keys:
+    slot, offset = layout.places[stage][key]
+    if out[slot] is None:
+      out[slot] = np.zeros(layout.sizes[slot], bool)
+    out[slot][offset : offset + layout.lengths[key]] = True
+  return out
+
+
 # Host side.
 
 
@@ -102,12 +127,17 @@ def host_slots(
   return slots
 
 
-def host_values(layout: SlotLayout, stage: int, slots, shapes) -> dict:
+def host_values(
+  layout: SlotLayout, stage: int, slots, shapes, bits: bool = False
+) -> dict:
   """Inverse of `host_slots`: key -> numpy array of its dtype and shape."""
   out = {}
   for key, (slot, offset) in layout.places[stage].items():
     shape, dtype = shapes[key]
     n = math.prod(shape)
     flat = np.asarray(slots[slot])[offset : offset + n]
-    out[key] = flat.reshape(shape).astype(dtype)
+    if bits and str(dtype) in _AS_BITS:
+      out[key] = flat.view(dtype).reshape(shape)
+    else:
+      out[key] = flat.reshape(shape).astype(dtype)
   return out

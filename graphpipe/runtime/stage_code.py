@@ -46,9 +46,11 @@ class StageCode:
     self.terms = LossTerms(self.whole, layout)
 
   def stage_function(self, stage: int):
-    """f(params, acts_block, batch_rows) -> (outputs block, sums): the
-    stage's part of the loss's sums in the vector of all (`terms.sums`);
-    `batch_rows` holds the data statistics too."""
+    """f(params, acts_block, batch_rows) -> ((outputs block, sums),
+    updates): the stage's part of the loss's sums in the vector of all
+    (`terms.sums`), and the new values of the state variables its nodes
+    update ('state:' key -> array; BatchNorm's running statistics after
+    this chunk); `batch_rows` holds the data statistics too."""
     s = self.layout.stages[stage]
     program = self.programs[s.chunk]
     edges = self.layout.edges
@@ -97,7 +99,7 @@ class StageCode:
           blocks[e], _ = lax.optimization_barrier((zeros, (loss, blocks)))
       blocks = [blocks[e] for e in s.out_edges]
       out = jnp.concatenate(blocks) if blocks else jnp.zeros((0,), jnp.float32)
-      return out, loss
+      return (out, loss), {k: env[v] for k, v in s.updates}
 
     return f
 
@@ -142,7 +144,8 @@ class StageCode:
     return params, acts, batch
 
   def _vjp_parts(self, stage, params, acts, batch):
-    """(outputs, loss), residual leaves, their treedef, param positions."""
+    """(outputs, loss), residual leaves, their treedef, the positions of
+    those kept and of parameters, the state updates."""
     s = self.layout.stages[stage]
     f = self.stage_function(stage)
     trainable = {k: params[k] for k in s.params}
@@ -157,7 +160,7 @@ class StageCode:
     diff = jax.checkpoint(
       lambda p, a: f({**p, **frozen}, a, batch), policy=save_products
     )
-    outs, vjp = jax.vjp(diff, trainable, acts)
+    outs, vjp, updates = jax.vjp(diff, trainable, acts, has_aux=True)
     leaves, treedef = jax.tree.flatten(vjp)
     param_ids = {id(v): k for k, v in trainable.items()}
     # Keys of random streams are not stashed: the backward derives them
@@ -171,14 +174,14 @@ class StageCode:
     sources = {
       i: param_ids[id(x)] for i, x in enumerate(leaves) if id(x) in param_ids
     }
-    return outs, leaves, treedef, keep, sources
+    return outs, leaves, treedef, keep, sources, updates
 
   def _residual_size(self, stage):
     params, acts, batch = self._abstract_inputs(stage)
     info = {}
 
     def probe(params, acts, batch):
-      _, leaves, _, keep, _ = self._vjp_parts(stage, params, acts, batch)
+      _, leaves, _, keep, *_ = self._vjp_parts(stage, params, acts, batch)
       info["avals"] = [
         jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in keep
       ]

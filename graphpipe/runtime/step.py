@@ -9,6 +9,7 @@
           outputs, sums <- the stage's node jaxprs
           sends <- rows of each output edge matrix, for the successors
         residuals (outputs of matrix products) -> residual stash
+        state slots <- the running values it updated (`runtime.running`)
       if backward[tick, my_device]:              # e.g. 2B0, or 2F0+2B0 fused
         switch to my device's backward:
           cotangents <- gradient stash (sent by successors' B), seeds
@@ -65,6 +66,7 @@ from graphpipe.frontend.program import Program
 from graphpipe.runtime import feed, packing, reduce, slots
 from graphpipe.runtime.buffers import Buffers, Operands
 from graphpipe.runtime.layout import Layout
+from graphpipe.runtime.running import RunningValues
 from graphpipe.runtime.shared import SharedGradients
 from graphpipe.runtime.stage_code import StageCode
 from graphpipe.runtime.tables import build_tables, make_channels
@@ -138,6 +140,7 @@ class StepBuilder(StageCode):
     self.channels = self._channels.groups
     self.channel_of = self._channels.channel_of
     self._make_tables()
+    self.running = RunningValues(layout, self.buffers.state)
 
   def _make_tables(self):
     lay = self.layout
@@ -176,10 +179,6 @@ class StepBuilder(StageCode):
     ]
 
   # The per-device branches.
-
-  def _read_variables(self, ops, stage):
-    """(trainable, frozen) values of `stage` from the device's slots."""
-    return self._stage_variables(ops.params, ops.state, stage)
 
   def _stage_variables(self, params, state, stage):
     s, shapes = self.layout.stages[stage], self.layout.param_shapes
@@ -222,7 +221,7 @@ class StepBuilder(StageCode):
   def _stage_inputs(self, ops, stage, device):
     """A stage's trainable and frozen variables and its batch rows (with
     the batch's data statistics)."""
-    trainable, frozen = self._read_variables(ops, stage)
+    trainable, frozen = self._stage_variables(ops.params, ops.state, stage)
     rows = self._batch_rows(stage, device, ops.batch, ops.microbatch)
     keys = self.chunk_streams(stage, device, ops.microbatch, ops.statistics)
     statistics = {
@@ -246,17 +245,18 @@ class StepBuilder(StageCode):
       trainable, frozen, rows = self._stage_inputs(ops, stage, device)
       acts = self._stage_acts(ops, stage)
       if self.recompute:
-        out, stage_loss = f({**trainable, **frozen}, acts, rows)
+        (out, stage_loss), updates = f({**trainable, **frozen}, acts, rows)
         kept = None
       else:
-        (out, stage_loss), leaves, _, keep, _ = self._vjp_parts(
+        (out, stage_loss), leaves, _, keep, _, updates = self._vjp_parts(
           stage, {**trainable, **frozen}, acts, rows
         )
         kept = packing.pad_to(
           packing.pack_leaves([leaves[i] for i in keep]), buf.res_slot
         )
       sends = self._sends(device, out, out_offsets, forward=True)
-      return kept, stage_loss, sends
+      state = self.running.write(ops.state, stage, updates)
+      return kept, stage_loss, sends, state
 
     return branch
 
@@ -272,11 +272,11 @@ class StepBuilder(StageCode):
       if self.recompute:
         acts = self._stage_acts(ops, stage)
         _, vjp = jax.vjp(
-          lambda p, a: f({**p, **frozen}, a, rows), trainable, acts
+          lambda p, a: f({**p, **frozen}, a, rows)[0], trainable, acts
         )
       else:
         blank = jnp.zeros((in_size,), jnp.float32)
-        _, leaves, treedef, keep, _ = self._vjp_parts(
+        _, leaves, treedef, keep, *_ = self._vjp_parts(
           stage, {**trainable, **frozen}, blank, rows
         )
         # Each residual is sliced straight from the stash: slicing the
@@ -296,7 +296,7 @@ class StepBuilder(StageCode):
       grad_params, grad_acts = vjp((cotangent, ops.seeds))
       updates = slots.scatter(buf.params, stage, grad_params)
       sends = self._sends(device, grad_acts, in_offsets, forward=False)
-      return updates, jnp.zeros_like(ops.loss), sends
+      return updates, jnp.zeros_like(ops.loss), sends, ops.state
 
     return branch
 
@@ -310,13 +310,17 @@ class StepBuilder(StageCode):
     def branch(ops):
       trainable, frozen, rows = self._stage_inputs(ops, stage, device)
       acts = self._stage_acts(ops, stage)
-      (out, stage_loss), vjp = jax.vjp(
-        lambda p, a: f({**p, **frozen}, a, rows), trainable, acts
+      (out, stage_loss), vjp, changed = jax.vjp(
+        lambda p, a: f({**p, **frozen}, a, rows),
+        trainable,
+        acts,
+        has_aux=True,
       )
       grad_params, grad_acts = vjp((jnp.zeros_like(out), ops.seeds))
       updates = slots.scatter(buf.params, stage, grad_params)
       sends = self._sends(device, grad_acts, in_offsets, forward=False)
-      return updates, stage_loss, sends
+      state = self.running.write(ops.state, stage, changed)
+      return updates, stage_loss, sends, state
 
     return branch
 
@@ -334,16 +338,16 @@ class StepBuilder(StageCode):
     branches = [self._forward_branch(d) for d in self.forward_devices]
 
     def run(ops):
-      kept, loss, sends = _dispatch(ops.forward - 1, branches, ops)
+      kept, loss, sends, state = _dispatch(ops.forward - 1, branches, ops)
       res = ops.res
       if kept is not None:
         res = lax.dynamic_update_slice_in_dim(
           res, kept, ops.res_slot * buf.res_slot, 0
         )
-      return res, ops.loss + loss, sends
+      return res, ops.loss + loss, sends, state
 
     def skip(ops):
-      return ops.res, ops.loss, self._sends(None)
+      return ops.res, ops.loss, self._sends(None), ops.state
 
     return _unless_idle(lambda ops: ops.forward > 0, run, skip, branches)
 
@@ -354,19 +358,21 @@ class StepBuilder(StageCode):
     ]
 
     def run(ops):
-      updates, loss, sends = _dispatch(ops.backward - 1, branches, ops)
+      updates, loss, sends, state = _dispatch(ops.backward - 1, branches, ops)
       gacc = tuple(g + u for g, u in zip(ops.gacc, updates, strict=True))
-      return gacc, ops.loss + loss, sends
+      return gacc, ops.loss + loss, sends, state
 
     def skip(ops):
-      return ops.gacc, ops.loss, self._sends(None)
+      return ops.gacc, ops.loss, self._sends(None), ops.state
 
     return _unless_idle(lambda ops: ops.backward > 0, run, skip, branches)
 
   # The body.
 
   def gradients_and_loss(self, params, state, batch, statistics):
-    """Inside shard_map: this device's reduced gradients and the loss.
+    """Inside shard_map: this device's reduced gradients, the loss and its
+    state slots after the step (running statistics updated by each
+    micro-batch in order; a data-parallel stage's replicas averaged).
 
     Args:
       params, state: this device's variable slots.
@@ -405,7 +411,7 @@ class StepBuilder(StageCode):
       )
 
     def tick(carry, row):
-      act, grad, res, gacc, loss, inbox = carry
+      act, grad, res, gacc, loss, inbox, *held = carry
       mine = {k: v[me] for k, v in row.items()}
       # What arrived at the end of the last tick goes into the stashes
       # first: written before they are read, they stay in place.
@@ -430,7 +436,7 @@ class StepBuilder(StageCode):
         )
       ops = Operands(
         params,
-        state,
+        held[0] if held else state,
         batch,
         act,
         grad,
@@ -446,8 +452,10 @@ class StepBuilder(StageCode):
         seeds,
         statistics,
       )
-      res, loss, forward_sends = forward(ops)
-      gacc, loss, backward_sends = backward(ops._replace(res=res, loss=loss))
+      res, loss, forward_sends, new = forward(ops)
+      gacc, loss, backward_sends, new = backward(
+        ops._replace(res=res, loss=loss, state=new)
+      )
       # A device runs at most one action a tick; `where` keeps the bits of
       # bit-cast integers that an add could change.
       sends = jnp.where(mine["forward"] > 0, forward_sends, backward_sends)
@@ -458,7 +466,7 @@ class StepBuilder(StageCode):
         inbox = lax.cond(
           mine["exchange"] == 1, exchange, lambda sends: sends, sends
         )
-      return (act, grad, res, gacc, loss, inbox), None
+      return (act, grad, res, gacc, loss, inbox, *[new][: len(held)]), None
 
     zeros = lambda n: jnp.zeros((n,), jnp.float32)
     carry = (
@@ -468,8 +476,11 @@ class StepBuilder(StageCode):
       tuple(zeros(n) for n in buf.params.sizes),
       zeros(self.terms.sums.size),
       jnp.zeros((buf.channels, buf.channel), jnp.float32),
+    ) + ((state,) if self.running.updates else ())  # (carried if updated)
+    (_, _, _, gacc, sums, _, *held), _ = lax.scan(tick, carry, tables)
+    new_state = self.running.average_replicas(
+      held[0] if held else state, me, AXIS
     )
-    (_, _, _, gacc, sums, _), _ = lax.scan(tick, carry, tables)
     loss, head_vjp = jax.vjp(head, lax.psum(sums, AXIS), penalties)
     grad_sums, grad_penalties = head_vjp(jnp.ones((), jnp.float32))
     if terms.mode == "scaled":
@@ -484,9 +495,6 @@ class StepBuilder(StageCode):
     )
     gacc = tuple(g + p for g, p in zip(gacc, penalty_grads, strict=True))
     gacc = SharedGradients(self.layout, buf.params).exchange(gacc, me, AXIS)
-    return self._reduce_replicas(gacc), loss
-
-  def _reduce_replicas(self, gacc):
-    """Sums gradients over each data-parallel stage's devices (a ring)."""
-    groups = [s.devices for s in self.layout.stages]
-    return reduce.ring_sum(gacc, groups, self.layout.num_devices, AXIS)
+    groups = [s.devices for s in self.layout.stages]  # replicas' sum
+    gacc = reduce.ring_sum(gacc, groups, self.layout.num_devices, AXIS)
+    return gacc, loss, new_state

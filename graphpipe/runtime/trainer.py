@@ -179,7 +179,7 @@ class Trainer:
 
   def _train_step(self, ts: TrainState, batch, statistics):
     params = _local(ts.params)
-    grads, loss = self.builder.gradients_and_loss(
+    grads, loss, state = self.builder.gradients_and_loss(
       params, _local(ts.state), batch[0], statistics
     )
     updates, opt_state = self.optimizer.update(
@@ -194,8 +194,15 @@ class Trainer:
     )
     params = keep(optax.apply_updates(params, updates), params)
     opt_state = keep(opt_state, _local(ts.opt_state))
+    # Variables the loss updates (running statistics) move on with the
+    # parameters; the others are passed through untouched.
+    state = (
+      _rows(keep(state, _local(ts.state)))
+      if self.graph.program.update_keys
+      else ts.state
+    )
     step = ts.step + finite.astype(ts.step.dtype)
-    new = TrainState(_rows(params), ts.state, _rows(opt_state), step)
+    new = TrainState(_rows(params), state, _rows(opt_state), step)
     return new, {"loss": loss}, _rows(grads)
 
   # Public API.
@@ -293,14 +300,32 @@ class Trainer:
       )
     # A model of another config took the trained shapes silently.
     self._values_of(model)
-    nnx.update(model, self._trained(state, model))
+    trained = self._trained(state, model)
+    if self.graph.program.update_keys:
+      # (the running statistics too, read before anything is written)
+      updated = self.graph.program.unflatten_state(
+        self.state_values(state), model
+      )
+      nnx.update(model, updated)
+    nnx.update(model, trained)
     return model
 
   def variables(self, state: TrainState, variables=None) -> dict:
-    """Linen variables with the trained parameters."""
+    """Linen variables with the trained parameters (and the variables the
+    loss updates, running statistics)."""
     out = dict(variables or {})
+    if self.graph.program.update_keys:
+      out.update(
+        self.graph.program.unflatten_state(self.state_values(state), variables)
+      )
     out["params"] = self._trained(state, variables)
     return out
+
+  def state_values(self, state: TrainState) -> dict:
+    """The non-trainable variables by 'state:' key (running statistics as
+    the steps left them), gathered to the host."""
+    guards.check_state(state, self._expected_state, self.mesh)
+    return self._gather(state.state, self.buffers.state, bits=True)
 
   def _trained(self, state: TrainState, base):
     """The trained parameters in the user's structure; parameters the loss
@@ -428,7 +453,7 @@ class Trainer:
     )
     return feed.with_streams(fed, self.graph.program, rng, self._replicated)
 
-  def _gather(self, rows: tuple) -> dict:
+  def _gather(self, rows: tuple, layout=None, bits=False) -> dict:
     """Each stage's slots (from its first device) -> values by key."""
     from jax.experimental import multihost_utils
 
@@ -444,10 +469,11 @@ class Trainer:
     for s in self.layout.stages:
       out.update(
         slots.host_values(
-          self.buffers.params,
+          layout or self.buffers.params,
           s.id,
           [x[s.devices[0]] for x in host],
           self.layout.param_shapes,
+          bits,
         )
       )
     return out

@@ -86,10 +86,14 @@ class Walk:
     small, large: the same jaxpr traced at two batch sizes (equal
       equations, shapes differing along batch axes).
     inputs: the states of its inputs.
+    overrides: variable -> the state it is given whatever its equation
+      makes (a layer's batch statistics, per chunk by declaration).
     nested: a jaxpr inside an equation (its GLOBAL values are `local`).
   """
 
-  def __init__(self, small, large, inputs, *, nested=False, where=""):
+  def __init__(
+    self, small, large, inputs, *, nested=False, where="", overrides=None
+  ):
     self.small, self.large, self.nested = small, large, nested
     self.where = where
     self.states: dict = {}
@@ -101,7 +105,7 @@ class Walk:
     for ea, eb in zip(small.eqns, large.eqns, strict=True):
       outs = self._eqn(ea, eb)
       for v, s in zip(ea.outvars, outs, strict=True):
-        self.states[v] = s
+        self.states[v] = (overrides or {}).get(v, s)
         self.eqn_of[v] = ea
 
   def describe(self, eqn) -> str:
