@@ -179,6 +179,14 @@ def capture(
       raise
     except Exception as err:  # the user's code failed: say where to look
       hint = STATEFUL_HINTS.get(type(err).__name__)
+      if "unbound axis name" in str(err):
+        hint = (
+          "The model names a collective axis (e.g. BatchNorm(axis_name=...))."
+          " graphpipe runs the model's code per stage and binds no such "
+          "axis: drop axis_name (each data-parallel replica then normalises "
+          "by its own rows; statistics across a stage's replicas are not "
+          "supported)"
+        )
       raise CaptureError(
         f"tracing loss_fn(model, batch) failed with {type(err).__name__}: "
         f"{err}\n"

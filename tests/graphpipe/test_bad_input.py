@@ -140,6 +140,15 @@ ROWS = [
     CaptureError,
     r"(?s)needs PRNG for \"dropout\".*capture\(\.\.\., rngs=\('dropout',\)\)",
   ),
+  # BatchNorm(axis_name='batch'): "check the batch's shapes" before.
+  (
+    "capture-batch-norm-axis-name",
+    lambda c: _linen_training(
+      lambda: nn.BatchNorm(use_running_average=False, axis_name="batch")
+    ),
+    CaptureError,
+    r"(?s)unbound axis name.*names a collective axis.*drop axis_name",
+  ),
   # A while_loop with traced bounds cannot be differentiated: a raw
   # ValueError from the cost measurement.
   (
