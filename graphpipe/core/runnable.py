@@ -78,19 +78,17 @@ def refusal(graph: OpGraph, plan: Plan) -> str | None:
         "different stages, but a value without a batch axis passes between "
         "them"
       )
-  for a, b in rules.get("apart", ()):
-    if owner[a] != owner[b] and chunk[owner[a]] != chunk[owner[b]]:
-      return (
-        f"nodes {graph.nodes[a].name!r} and {graph.nodes[b].name!r} take "
-        "chunks of different sizes, but a value between them holds samples "
-        "apart along its batch axis"
-      )
-  for a, b in rules.get("statistics", ()):
-    if owner[a] != owner[b] and chunk[owner[a]] != chunk[owner[b]]:
-      return (
-        f"nodes {graph.nodes[a].name!r} and {graph.nodes[b].name!r} "
-        "normalise by their chunk's batch statistics (BatchNorm in "
-        "training) but take chunks of different sizes: give their stages "
-        "one micro-batch size per device"
-      )
+  same_chunk = {
+    "apart": "a value between them holds samples apart along its batch axis",
+    "statistics": "both normalise by their chunk's batch statistics "
+    "(BatchNorm in training): give their stages one micro-batch size per "
+    "device",
+  }
+  for rule, why in same_chunk.items():
+    for a, b in rules.get(rule, ()):
+      if owner[a] != owner[b] and chunk[owner[a]] != chunk[owner[b]]:
+        return (
+          f"nodes {graph.nodes[a].name!r} and {graph.nodes[b].name!r} take "
+          f"chunks of different sizes, but {why}"
+        )
   return None
