@@ -38,6 +38,7 @@ from graphpipe.frontend.program import (
   primitive_signature,
   source_input,
 )
+from graphpipe.frontend.unroll import Stacks, layer_labels
 
 
 def _abstract(tree):
@@ -158,6 +159,8 @@ def capture(
   # Which state variables the loss updates (BatchNorm's running
   # statistics): known after the first trace, which returns them all.
   updated: list[int] | None = None
+  # Scanned layer stacks unrolled, one node per layer: known after it.
+  stacks: Stacks | None = None
 
   def trace(size: int):
     def fn(params, state, streams, b):
@@ -212,10 +215,12 @@ def capture(
         f"{[f'{a.dtype}{list(a.shape)}' for a in outs]}. Reduce the loss "
         "over the batch (e.g. jnp.mean) and return only the loss"
       )
-    return closed
+    return closed if stacks is None else stacks.unroll(closed)[0]
 
   updated = _updated_state(trace(batch_size), bound)
-  closed = trace(batch_size)
+  raw = trace(batch_size)
+  stacks = Stacks.find(raw, len(bound.param_names) + len(bound.state_names))
+  closed, origin = stacks.unroll(raw)
   large = trace(2 * batch_size)
   if primitive_signature(large.jaxpr) != primitive_signature(closed.jaxpr):
     raise CaptureError(
@@ -225,25 +230,31 @@ def capture(
     )
   jaxpr = closed.jaxpr
   update_keys = [f"state:{bound.state_names[j]}" for j in updated]
+  # (Stacked variables as one input per layer: 'layers.lin.kernel[3]'.)
+  var_names = stacks.names(bound.param_names + bound.state_names)
+  num_params = stacks.position(len(bound.param_names))
+  num_model_vars = len(var_names)
   input_keys = (
-    [f"param:{n}" for n in bound.param_names]
-    + [f"state:{n}" for n in bound.state_names]
+    [f"param:{n}" for n in var_names[:num_params]]
+    + [f"state:{n}" for n in var_names[num_params:]]
     + [f"rng:{n}" for n in bound.stream_names]
     + [f"batch:{n}" for n in batch_names]
   )
-  num_model_vars = len(bound.param_names) + len(bound.state_names)
   model_vars = set(jaxpr.invars[:num_model_vars])
   model_vars |= set(jaxpr.constvars)
-  num_params = len(bound.param_names)
   form = loss_form.find(
     jaxpr,
     large.jaxpr,
     num_model_vars,
     len(bound.stream_names),
-    [num_params + j for j in updated],
+    [stacks.position(len(bound.param_names) + j) for j in updated],
   )
 
-  labels = labels_of(jaxpr, bound.framework, depth)
+  labels = layer_labels(
+    labels_of(jaxpr, bound.framework, depth),
+    origin,
+    labels_of(raw.jaxpr, bound.framework, depth),
+  )
   module_eqns = [i for i in form.body if labels[i]]
   if not module_eqns:
     raise GraphCutError(
@@ -266,7 +277,7 @@ def capture(
     dict(
       zip(
         jaxpr.invars[:num_model_vars],
-        bound.param_names + bound.state_names,
+        var_names,
         strict=True,
       )
     )
@@ -276,7 +287,9 @@ def capture(
   names = name_nodes(
     grouping.labels, groups, min(module_eqns), max(module_eqns)
   )
-  flatten_inputs = make_flatten(bound)
+  flatten, unflatten = make_flatten(bound), make_unflatten(bound)
+  first = {"param": 0, "state": len(bound.param_names)}
+  count = {"param": len(bound.param_names), "state": len(bound.state_names)}
   program = Program(
     trace=trace,
     input_keys=input_keys,
@@ -284,8 +297,10 @@ def capture(
     form=form,
     batch_size=batch_size,
     closed=closed,
-    flatten=flatten_inputs,
-    unflatten_params=make_unflatten(bound),
+    flatten=lambda *args: stacks.split(flatten(*args)),
+    unflatten_params=lambda leaves, kind="param": unflatten(
+      stacks.join(leaves, first[kind], count[kind]), kind
+    ),
     update_keys=update_keys,
   )
   loss_nodes = sorted(
