@@ -81,14 +81,29 @@ def labels_of(jaxpr, framework, depth):
   return labels
 
 
+# Why a layer stack written as a scan stayed one node (`frontend.unroll`).
+SCAN_REASON = (
+  "its layers run inside one scan capture does not unroll (it unrolls a "
+  "scan over stacked parameters without stacked outputs; this one has "
+  "stacked outputs or scans other values, e.g. stacked random keys or "
+  "running statistics): run those layers as a Python loop, or move what "
+  "the scan returns per layer out of it"
+)
+
+
 def no_module_reason(jaxpr, framework) -> str:
   """Why no equation is labelled with a module, and what to do: module
   scopes appear only inside nested calls that span several modules (the
   whole forward under one jax.checkpoint, nnx.remat or jax.jit in
   loss_fn: capture cuts at top-level equations), or not at all."""
-  if any(
-    any(chain for chain in _inner_chains(eqn, framework)) for eqn in jaxpr.eqns
-  ):
+  nested = [
+    eqn
+    for eqn in jaxpr.eqns
+    if any(chain for chain in _inner_chains(eqn, framework))
+  ]
+  if any(eqn.primitive.name == "scan" for eqn in nested):
+    return SCAN_REASON[0].upper() + SCAN_REASON[1:]
+  if nested:
     return (
       "Its modules run inside one transformed call (jax.checkpoint, "
       "nnx.remat or jax.jit around the whole model in loss_fn), which "

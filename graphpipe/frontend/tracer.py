@@ -27,6 +27,7 @@ from graphpipe.frontend.bound import (
   make_unflatten,
 )
 from graphpipe.frontend.grouping import (
+  SCAN_REASON,
   Grouping,
   labels_of,
   name_nodes,
@@ -268,10 +269,16 @@ def capture(
   grouping.absorb_glue()
   grouping.topological()
   if len(grouping.groups) < 2:
+    scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
     raise GraphCutError(
       f"the loss of {bound.root} forms a single node at granularity "
-      f"{granularity!r}: only one module call was traced; a model of one "
-      "layer has nothing to pipeline (build it from several submodules)"
+      f"{granularity!r}: "
+      + (
+        SCAN_REASON
+        if scans
+        else "only one module call was traced; a model of one layer has "
+        "nothing to pipeline (build it from several submodules)"
+      )
     )
   grouping.name_by_variables(
     dict(

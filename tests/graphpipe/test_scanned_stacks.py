@@ -17,6 +17,7 @@ from flax import nnx
 
 import graphpipe
 from graphpipe.core import runnable
+from graphpipe.errors import GraphCutError
 from tests.graphpipe import runtime_cases as rc
 
 VOCAB, DIM, HEADS, KV_HEADS, SEQ, BATCH = 32, 16, 4, 2, 6, 8
@@ -248,3 +249,33 @@ def test_a_scan_over_time_stays_one_node():
     lambda m, b: jnp.mean(m(b["x"]) ** 2), RNN(nnx.Rngs(0)), batch
   )
   assert not any("[" in n.name for n in graph.nodes)
+
+
+def test_a_stack_left_as_a_scan_is_named_in_the_message():
+  """A scan capture cannot unroll (here it returns each layer's output):
+  the message said "a model of one layer" before."""
+
+  class Stack(nnx.Module):
+    def __init__(self, rngs):
+      @nnx.split_rngs(splits=4)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return nnx.Linear(4, 4, rngs=rngs)
+
+      self.layers = make(rngs)
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+      def run(x, layer):
+        y = jnp.tanh(layer(x))
+        return y, y
+
+      x, every = run(x, self.layers)
+      return x + every.sum(0)
+
+  with pytest.raises(GraphCutError, match="inside one scan capture does not"):
+    graphpipe.capture(
+      lambda m, b: jnp.mean(m(b["x"]) ** 2),
+      Stack(nnx.Rngs(0)),
+      {"x": np.ones((BATCH, 4), np.float32)},
+    )
