@@ -5,6 +5,9 @@ in the root conftest (pytest imports it before collecting the tests).
 """
 
 import os
+import pathlib
+
+import pytest
 
 _FLAG = "--xla_force_host_platform_device_count=8"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
@@ -13,7 +16,8 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
   ).strip()
 # bf16 exactness (tests/graphpipe/test_numerics.py) holds when XLA rounds
 # every bf16 operation: by default it may skip roundings inside a fusion,
-# differently in a whole program and in a pipeline stage (BUILD.md).
+# differently in a whole program and in a pipeline stage
+# (docs/guide/training.md, "Exactness").
 _STRICT = "--xla_allow_excess_precision=false"
 if _STRICT not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " " + _STRICT
@@ -60,6 +64,22 @@ _LONG_FIRST = (
 )
 
 
+# The quick tier (`pytest -m "not slow"`) leaves out what tests/slow.txt
+# lists: each test measured at 3 s or more in a timed full run, a module
+# where all of its tests are (`python -m tests.tiers`, BUILD.md "Tests").
+# A test may also carry `@pytest.mark.slow` itself.
+_SLOW = pathlib.Path(__file__).parent / "tests" / "slow.txt"
+
+
+def _slow_entries() -> set[str]:
+  lines = _SLOW.read_text().splitlines() if _SLOW.exists() else []
+  return {line.strip() for line in lines if line.strip()[:1] not in ("", "#")}
+
+
 def pytest_collection_modifyitems(items):
+  slow = _slow_entries()
+  for item in items:
+    if item.nodeid in slow or item.nodeid.split("::")[0] in slow:
+      item.add_marker(pytest.mark.slow)
   rank = {path: i for i, path in enumerate(_LONG_FIRST)}
   items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))

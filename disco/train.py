@@ -3,7 +3,7 @@
 One jitted step serves every phase and every model of one architecture:
 the masks and the hyperparameters (learning rate, weight decay, group-lasso
 weight) are arguments, not constants, so pruning between steps and moving
-from dense training to fine-tuning never recompile.
+from dense training to fine-tuning never recompile::
 
   fit(model, ...):
     params, masks, rest = split(model)            # rest: batch statistics

@@ -22,7 +22,7 @@ in the same run; the asynchronous-pipeline prediction is reported beside it.
 Defaults: towers of 4 layers of 512 over a 256-wide input, batch 1024 in 4
 micro-batches of 256. Smaller batches leave the per-step costs both plans
 share (optimizer, host transfer, loss all-reduce) a larger part of the step
-and shrink the measured ratio (BUILD.md lists a sweep).
+and shrink the measured ratio (docs/guide/training.md lists a sweep).
 """
 
 import json
@@ -50,7 +50,8 @@ def define_flags():
     "batch_size",
     1024,
     "Samples per step (large enough that compute, not the per-step "
-    "optimizer and host costs, dominates; see BUILD.md for smaller).",
+    "optimizer and host costs, dominates; docs/guide/training.md has "
+    "smaller).",
     lower_bound=1,
   )
   flags.DEFINE_integer(

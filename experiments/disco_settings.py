@@ -1,8 +1,9 @@
 """The settings of `experiments.disco_train`: one dataclass, one flag each.
 
 `Settings` defaults are the digits run; `TASK_SETTINGS` holds, per task and
-dataset, the settings of the runs BUILD.md reports, which the command line
-uses for every flag it is not given (`Settings.for_task`).
+dataset, the settings of the runs docs/experiments/disco_train.md reports,
+which the command line uses for every flag it is not given
+(`Settings.for_task`).
 """
 
 import dataclasses
@@ -122,7 +123,8 @@ class Settings:
 
   @classmethod
   def for_task(cls, task: str, dataset: str | None = None, **given):
-    """The measured settings of `task` (BUILD.md), then `given` on top.
+    """The measured settings of `task` (docs/experiments/disco_train.md),
+    then `given` on top.
 
     A task's first dataset is its default. Settings a task has no entry
     for in `TASK_SETTINGS` are the dataclass defaults (the digits run).
@@ -217,11 +219,11 @@ _DATASET_ONLY = {
 }
 
 
-# Per (task, dataset), the settings of the runs BUILD.md reports (its
-# "Every task" table): the schedules each task needs to separate the
-# variants, measured on the 2-core development machine. Super-resolution
-# runs on 3 nodes without the group-lasso term (on 2 nodes no communication
-# is within 0.3 dB of dense; the term costs PSNR there).
+# Per (task, dataset), the settings of the runs docs/experiments/disco_train.md
+# reports (its "Every task" table): the schedules each task needs to separate
+# the variants, measured on the 2-core development machine. Super-resolution
+# runs on 3 nodes without the group-lasso term (on 2 nodes no communication is
+# within 0.3 dB of dense; the term costs PSNR there).
 TASK_SETTINGS = {
   ("classify", "mnist"): dict(
     width=16,

@@ -24,9 +24,9 @@ super-resolution adds SSIM and the bicubic baseline. One checkpoint per
 seed (`disco_seed<N>/`, read by `disco.checkpoint.load`).
 
 Flags left out take the task's measured settings
-(`experiments.disco_settings.TASK_SETTINGS`, the runs of BUILD.md's
-"Every task" table), else the digits run's defaults; `--dataset` defaults
-to the task's first dataset.
+(`experiments.disco_settings.TASK_SETTINGS`, the runs of
+docs/experiments/disco_train.md's "Every task" table), else the digits run's
+defaults; `--dataset` defaults to the task's first dataset.
 """
 
 import dataclasses

@@ -25,9 +25,9 @@ soon as it is done (a run cut short keeps what it measured):
 (c) `tick`: the cost of one idle tick of the step loop on this device
     (the loop, its conditionals and, on a GPU, their host round-trips).
 
-`--budget_s` bounds the whole run: a part that would start after it is
-skipped and listed under `skipped`. Run it on the lent GPU machine with
-the `device` tool, then record the figures in BUILD.md ("GPU").
+`--budget_s` bounds the whole run: a part that would start after it is skipped
+and listed under `skipped`. Run it on the lent GPU machine with the `device`
+tool, then record the figures in BUILD.md ("GPUs") and docs/guide/training.md.
 """
 
 import time

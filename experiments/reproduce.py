@@ -26,9 +26,9 @@ DIR/REPRODUCTION.md beside the paper's numbers:
                 against `sequential` for mmt, candle_uno and transformer at
                 4, 8 and 16 devices
 
-The report's text is generated from the numbers (`experiments.
-reproduction_report`), so it never goes stale. About 5 minutes on the
-2-core development machine.
+The report's text is generated from the numbers
+(`experiments.reproduction.report`), so it never goes stale. About 5 minutes on
+the 2-core development machine.
 """
 
 from __future__ import annotations
@@ -39,14 +39,8 @@ import time
 
 from absl import app, flags
 
-from experiments import (
-  common,
-  paper,
-  pipedream,
-  reproduction_figures,
-  reproduction_report,
-  reproduction_sizes,
-)
+from experiments import common, pipedream
+from experiments.reproduction import figures, paper, report, sizes
 from graphpipe import capture, models, plan, simulate
 from graphpipe.costs import AnalyticCostModel, device_spec
 from graphpipe.errors import GraphpipeError, PlanError
@@ -140,8 +134,8 @@ def run_planner(
   except PlanError as err:
     row.update(error=str(err), search_time_s=time.perf_counter() - start)
     return row
-  report = simulate(p, graph, setup.cost_model())
-  row.update(common.plan_summary(p, report))
+  simulated = simulate(p, graph, setup.cost_model())
+  row.update(common.plan_summary(p, simulated))
   row["micro_batch_sizes"] = list(p.micro_batch_sizes)
   row["devices_per_stage"] = [len(s.devices) for s in p.stages]
   row["plan"] = p
@@ -377,7 +371,7 @@ def run(setup: Setup, out: str, plots: bool = True) -> dict:
   results["search_time"] = search_time(setup, at_sweep)
   results["case_study"] = case_study(setup, progress)
   results["parity"] = parity(setup, progress)
-  results["per_stage"] = reproduction_sizes.per_stage(
+  results["per_stage"] = sizes.per_stage(
     setup, MODELS, through, progress, run_planner, note
   )
   results["pipedream_check"] = pipedream.reproduce_rows(
@@ -398,9 +392,9 @@ def run(setup: Setup, out: str, plots: bool = True) -> dict:
   }
   results["run_time_s"] = time.perf_counter() - start
   os.makedirs(out, exist_ok=True)
-  results["figures"] = reproduction_figures.draw(results, out) if plots else []
+  results["figures"] = figures.draw(results, out) if plots else []
   with open(os.path.join(out, "REPRODUCTION.md"), "w") as f:
-    f.write(reproduction_report.markdown(results))
+    f.write(report.markdown(results))
   common.write_results(out, results)
   return results
 
@@ -447,7 +441,7 @@ def main(argv):
     results = run(setup, options.out, options.plots)
   except GraphpipeError as err:
     raise SystemExit(f"experiments.reproduce: {err}") from err
-  print(reproduction_report.summary(results))
+  print(report.summary(results))
   print(
     f"wrote {options.out}/results.json and REPRODUCTION.md in "
     f"{results['run_time_s'] / 60:.1f} min"

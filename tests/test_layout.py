@@ -26,7 +26,10 @@ LAYERS = (
 )
 # Layers that are plain Python over the data types: no JAX, no Flax.
 NO_JAX = ("core", "schedules", "simulator", "planning")
-MAX_LINES = 500
+# A module is cut by concept, and its size follows; this bound only catches
+# a file that has grown into several concepts (500 made modules split to
+# meet it rather than by concept: experiments/reproduction/).
+MAX_LINES = 800
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -152,7 +155,7 @@ def test_no_import_cycles_deferred_ones_included():
   assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
-def test_no_module_over_500_lines():
+def test_no_module_over_the_line_bound():
   long = {
     m: n
     for m, p in MODULES.items()

@@ -6,8 +6,8 @@ another consumes. Figures that scale with the batch are per sample; the
 batch-independent remainder of the same figure is kept in a `*_fixed` field
 (per step), so a cost at micro-batch b is `per_sample * b + fixed`.
 
-A graph made by `graphpipe.capture` also holds the executable pieces (one
-closed jaxpr per node, see `graphpipe.program`); a graph loaded from JSON has
+A graph made by `graphpipe.capture` also holds the executable pieces (one closed
+jaxpr per node, see `graphpipe.frontend.program`); a graph loaded from JSON has
 the structure and costs only, which is all the planner needs.
 """
 

@@ -1,10 +1,10 @@
 """`capture`: a Flax model and its loss become an `OpGraph`.
 
-The loss is traced once with `jax.make_jaxpr` on abstract values (no weight
-is materialised, so paper-scale models capture in seconds). Each top-level
-equation is labelled with the module path active when it was traced, cut at
-the requested depth, and `graphpipe.grouping` turns the labelled equations
-into nodes; `graphpipe.node_costs` measures them.
+The loss is traced once with `jax.make_jaxpr` on abstract values (no weight is
+materialised, so paper-scale models capture in seconds). Each top-level equation
+is labelled with the module path active when it was traced, cut at the requested
+depth, and `graphpipe.frontend.grouping` turns the labelled equations into
+nodes; `graphpipe.frontend.node_costs` measures them.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def capture(
   """Traces `loss_fn(model, batch)` into an operator graph with costs.
 
   Works on abstract values: `model` may come from `nnx.eval_shape` and
-  `batch` may hold `jax.ShapeDtypeStruct`s, so nothing of paper size is
+  `batch` may hold `jax.ShapeDtypeStruct` leaves, so nothing of paper size is
   allocated. Every batch leaf's leading axis is the batch axis.
 
   Example:

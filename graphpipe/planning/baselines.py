@@ -1,11 +1,11 @@
 """Sequential pipeline baselines: PipeDream-style 1F1B and GPipe.
 
-Both linearise the operator graph into a chain and cut the chain into
-contiguous stages (a range of a topological order is always convex). They
-get everything GraphPipe gets: the same cost model and stage costs
-(`graphpipe.costs.StageCosts`), the same micro-batch search and the same
-memory rule, and the linearisation that suits them best (each of: node id
-order, which keeps branches whole; level order, which interleaves them;
+Both linearise the operator graph into a chain and cut the chain into contiguous
+stages (a range of a topological order is always convex). They get everything
+GraphPipe gets: the same cost model and stage costs
+(`graphpipe.planning.stage_costs.StageCosts`), the same micro-batch search and
+the same memory rule, and the linearisation that suits them best (each of: node
+id order, which keeps branches whole; level order, which interleaves them;
 reverse-level order; `plan` keeps the fastest result).
 
 sequential (PipeDream-2BW / PipeDream-Flush planner). PipeDream's DP

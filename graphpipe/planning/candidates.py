@@ -1,9 +1,10 @@
 """What every partitioner returns, and the depth-frontier search they share.
 
-A partitioner (`graphpipe.partitioner.GraphPipePartitioner`, the baselines
-of `graphpipe.baselines`) is called with a micro-batch size and returns
-`Partition`s: stages as node sets with device counts. `graphpipe.assemble`
-turns one into a `Plan`; `graphpipe.planner.plan` keeps the fastest.
+A partitioner (`graphpipe.planning.graphpipe_dp.GraphPipePartitioner`, the
+baselines of `graphpipe.planning.baselines`) is called with a micro-batch
+size and returns `Partition`s: stages as node sets with device counts.
+`graphpipe.planning.assemble` turns one into a `Plan`;
+`graphpipe.planning.search.plan` keeps the fastest.
 """
 
 from __future__ import annotations

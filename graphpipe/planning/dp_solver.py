@@ -15,7 +15,7 @@ _INF = 1 << 40
 
 
 class DPSolver:
-  """feasible(t) of `graphpipe.partitioner`, with the stages it chose.
+  """feasible(t) of `graphpipe.planning.graphpipe_dp`, with the stages it chose.
 
   Memo tables hold for one target; asking for another target clears them.
 

@@ -102,12 +102,16 @@ def run_search(
   padding_tolerance: float | None = None,
   feasible_only: bool = False,
   max_padding: float | None = None,
+  any_feasible: bool = False,
 ) -> Plan | None:
   """The fastest candidate plan (see the module docstring), or None.
 
   With `feasible_only`, the best-estimated candidate as soon as the
   partitioners' candidates are priced (no local search, no simulation):
   None exactly when the full search gives None, for feasibility checks.
+  With `any_feasible`, the first candidate that fits, whatever its time:
+  the same candidates are priced in the same order up to it, so None
+  exactly when the full search gives None (what `fits` asks).
   With `max_padding`, candidates whose padding fraction is over it do not
   count, and data-parallel copies of the whole model are candidates too.
   `padding_tolerance` None: `PADDING_TOLERANCE` as it is at call time.
@@ -126,6 +130,7 @@ def run_search(
   timing = NodeTimes(cost_model)
   candidates: dict[Partition, tuple | None] = {}
   split: set[Partition] = set()  # candidates of `split_branches`
+  first: list[Plan] = []  # with `any_feasible`: the first that fits
 
   def evaluate(part: Partition) -> tuple | None:
     """(estimate, in flight at the source, -b, plan, its memory), None if
@@ -147,6 +152,10 @@ def run_search(
         ok = memory.largest_of(memory_kinds) <= costs.memory_bytes
         if max_padding is not None:
           ok = ok and memory.padding_fraction <= max_padding
+      if ok and any_feasible:
+        first.append(p)  # not priced: the search stops here
+        candidates[part] = (0.0, 0, 0, p, memory)
+        return candidates[part]
       if ok:
         estimate = estimate_iteration_time(p, graph, timing)
         candidates[part] = (
@@ -159,7 +168,11 @@ def run_search(
     return candidates[part]
 
   for b, partition in itertools.product(sizes, partitioners):
+    if first:
+      return first[0]
     for part in partition(b):
+      if first:
+        return first[0]
       apart = (
         split_branches(graph, part, costs) if planner == "graphpipe" else part
       )
@@ -177,6 +190,8 @@ def run_search(
         if evaluate(spent) is not None:
           continue
       evaluate(part)
+  if first:
+    return first[0]
   offered = bool(candidates)  # the partitioners offered some partition
   everything = tuple(range(len(graph.nodes)))
   if max_padding is not None:
@@ -221,6 +236,8 @@ def run_search(
       costs,
       planner,
     )
+  if first:
+    return first[0]
   ranked = sorted(
     ((c[:3], part) for part, c in candidates.items() if c is not None),
     key=lambda x: x[0],
@@ -436,7 +453,7 @@ def fits(
     memory_bytes,
     sizes,
     memory_kinds=memory_kinds,
-    feasible_only=True,
+    any_feasible=True,
     piper_budget=piper_budget,
   )
   return found is not None

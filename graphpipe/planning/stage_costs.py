@@ -57,7 +57,7 @@ class StageCosts:
 
   Args:
     graph: the operator graph.
-    cost_model: any `graphpipe.plan.CostModel`.
+    cost_model: any `graphpipe.core.cost_model.CostModel`.
     batch_size: samples per iteration.
     num_devices: devices the plan may use.
     memory_bytes: capacity of one device.

@@ -1,8 +1,8 @@
-"""Bad input to every public disco entry point: each row of BUILD.md's
-table ("Bad input, everywhere") is one case here: the DISCO layers,
-pruning, the loaders, checkpoints, cost counting and distributed
-inference. Each asserts disco's own error class and a message that says
-what to fix, or (NaN inputs) the documented propagation.
+"""Bad input to every public disco entry point: each row of
+docs/guide/bad_input.md's table ("Bad input, everywhere") is one case here: the
+DISCO layers, pruning, the loaders, checkpoints, cost counting and distributed
+inference. Each asserts disco's own error class and a message that says what to
+fix, or (NaN inputs) the documented propagation.
 """
 
 import json

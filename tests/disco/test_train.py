@@ -1,5 +1,6 @@
 """Training with gradual pruning, and the experiment end to end (tiny)."""
 
+import json
 import math
 import os
 import subprocess
@@ -12,7 +13,7 @@ from flax import nnx
 from disco import checkpoint, data, prune, train
 from disco.errors import DiscoError, PruneError
 from disco.models import ResNet, ResNetConfig
-from experiments import disco_train
+from experiments import disco_train, results_pages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 # The experiment's architecture and batch size, so the tests here share one
@@ -154,6 +155,25 @@ def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
   assert results["quality_disco"] >= results["quality_dense"] - 0.15
   assert results["quality_disco"] >= results["quality_no_comm"] + 0.05
   assert rows[0]["quality"] >= 0.5
+  _results_page_follows_the_figures(tmp_path)
+
+
+def _results_page_follows_the_figures(out):
+  """The site's DISCO page, made from this run's results.json, states its
+  figures, and a changed figure changes the page."""
+  source = out / "results.json"
+  pages = out / "pages"
+  (page,) = results_pages.write(str(pages), None, [str(source)])
+  before = open(page).read()
+  saved = json.loads(source.read_text())
+  assert f"{saved['quality_dense']:.4f}" in before
+  assert f"{saved['comm_bytes_disco']:,}" in before
+  assert "DISCO - random, paired by seed" in before
+  saved["quality_disco"] = 0.12345
+  source.write_text(json.dumps(saved))
+  results_pages.write(str(pages), None, [str(source)])
+  after = open(page).read()
+  assert "0.1235" in after and "0.1235" not in before
 
 
 def _run_app(*flags):

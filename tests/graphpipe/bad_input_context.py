@@ -2,7 +2,7 @@
 graph, plan, trainer and files (`Ctx`, built once per test module), and
 the edits that make bad graph files, weights and batches.
 
-The cases themselves are rows of BUILD.md's table ("Bad input,
+The cases themselves are rows of docs/guide/bad_input.md's table ("Bad input,
 everywhere"): `test_bad_input.py` (capture, graph and plan files, plan,
 simulate) and `test_bad_input_runtime.py` (Trainer, checkpoints).
 """

@@ -38,16 +38,20 @@ def tiny_graph(name):
   return capture_zoo(name, "tiny", batch_size=4)
 
 
-@functools.cache
 def pipeline_plan(name, num_devices, planner, room=1):
   """The planner's plan for a tiny model under `room` times the tightest
   memory (`tightest_plan`: deep pipelines, one device a stage where the
   model's shape needs them all); room 2 leaves space for data-parallel
-  stages."""
+  stages. Memoised for the session (one key however `room` is passed)."""
+  return _pipeline_plan(name, num_devices, planner, room)
+
+
+@functools.cache
+def _pipeline_plan(name, num_devices, planner, room):
   graph = tiny_graph(name)
-  tightest = tightest_plan(graph, num_devices, BATCH, planner, SLOW)
   if room == 1:
-    return tightest
+    return tightest_plan(graph, num_devices, BATCH, planner, SLOW)
+  tightest = pipeline_plan(name, num_devices, planner)  # memoised
   return plan(
     graph,
     num_devices,

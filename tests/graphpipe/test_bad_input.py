@@ -1,6 +1,6 @@
 """Bad input to graphpipe's capture, graph and plan files, planners and
-simulator: each row of BUILD.md's table ("Bad input, everywhere") for
-those entry points is one case here (the runtime's rows:
+simulator: each row of docs/guide/bad_input.md's table ("Bad input, everywhere")
+for those entry points is one case here (the runtime's rows:
 `test_bad_input_runtime.py`).
 
 Every case asserts the library's own error class and a message that says

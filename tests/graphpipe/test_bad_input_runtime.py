@@ -1,5 +1,5 @@
-"""Bad input to graphpipe's runtime: each row of BUILD.md's table ("Bad
-input, everywhere") for `graphpipe.Trainer` and its checkpoints is one
+"""Bad input to graphpipe's runtime: each row of docs/guide/bad_input.md's table
+("Bad input, everywhere") for `graphpipe.Trainer` and its checkpoints is one
 case here, plus the documented behaviour of NaN and inf in batches and of
 corrupted checkpoint bytes (the other entry points: `test_bad_input.py`).
 """

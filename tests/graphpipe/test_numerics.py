@@ -1,12 +1,12 @@
 """Numerics under stress: bf16, mixed precision, int32 on the wire, NaN.
 
 bf16 is exact against plain JAX in bf16 computing the same micro-batches
-(BUILD.md, "Exactness"): the loss within 1e-6, mixed-precision gradients
-(float32 weights, bf16 compute) equal, bf16-weight gradients within one
-bf16 rounding (2^-8 of the largest element), since the runtime scales the
-loss cotangent by chunk / batch before the bf16 backward where the
-reference scales the finished gradient. Both need XLA to round every bf16
-operation (`--xla_allow_excess_precision=false`, set by the root conftest).
+(docs/guide/training.md, "Exactness"): the loss within 1e-6, mixed-precision
+gradients (float32 weights, bf16 compute) equal, bf16-weight gradients within
+one bf16 rounding (2^-8 of the largest element), since the runtime scales the
+loss cotangent by chunk / batch before the bf16 backward where the reference
+scales the finished gradient. Both need XLA to round every bf16 operation
+(`--xla_allow_excess_precision=false`, set by the root conftest).
 """
 
 import jax

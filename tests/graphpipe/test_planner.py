@@ -323,7 +323,7 @@ def test_case_study_on_the_captured_model(case_study, monkeypatch):
   # The paper's planners rank by time alone: no time traded for padding.
   monkeypatch.setattr(engine, "PADDING_TOLERANCE", 0.0)
   # A batch of 8 keeps the pipeline short, as in the paper's case study:
-  # with many micro-batches warm-up matters little (see BUILD.md).
+  # with many micro-batches warm-up matters little (see docs/guide/planning.md).
   gpp = plan(case_study, 8, 8)
   spp = plan(case_study, 8, 8, planner="sequential")
   for p in (gpp, spp):

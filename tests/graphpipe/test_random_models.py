@@ -1,13 +1,13 @@
 """Random models, captured, pipelined on 8 devices and trained exactly.
 
-Each model of `random_models` (DAGs of chains, fan-out, joins, skips,
-crossings, several inputs and loss heads; layers heavy in parameters next
-to layers heavy in activations) is captured, planned under the tightest
-memory that fits on 8 devices (`graphpipe.tightest_plan`, so it really
-pipelines), trained 2 steps by `graphpipe.Trainer`, and its losses and
-weights are compared with plain single-device optax training: equal within
-1e-5 (relative, see BUILD.md "Exactness"). The planners take turns across
-the models (each runs at least two); a few models are linen modules.
+Each model of `random_models` (DAGs of chains, fan-out, joins, skips, crossings,
+several inputs and loss heads; layers heavy in parameters next to layers heavy
+in activations) is captured, planned under the tightest memory that fits on 8
+devices (`graphpipe.tightest_plan`, so it really pipelines), trained 2 steps by
+`graphpipe.Trainer`, and its losses and weights are compared with plain
+single-device optax training: equal within 1e-5 (relative, see
+docs/guide/training.md "Exactness"). The planners take turns across the models
+(each runs at least two); a few models are linen modules.
 
 The NNX models carry quirks (`random_models`): code that refuses odd batch
 sizes, values laid out time-major between layers, losses exact only on the

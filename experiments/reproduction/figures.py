@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from experiments.paper import PAPER
-from experiments.reproduction_sweep import ceiling
+from experiments.reproduction.paper import PAPER
+from experiments.reproduction.sweep import ceiling
 
 
 def draw(results, out: str) -> list[str]:

@@ -7,17 +7,17 @@ are those of ../shared/PAPERS.md (GraphPipe, Jeon et al., ASPLOS 2025).
 
 from __future__ import annotations
 
-from experiments.paper import PAPER
-from experiments.reproduction_case import case_section
-from experiments.reproduction_extras import (
+from experiments.reproduction.case import case_section
+from experiments.reproduction.extras import (
   cell,
   per_stage_section,
   pipedream_section,
   seconds,
   times,
 )
-from experiments.reproduction_extras import ratio as _ratio
-from experiments.reproduction_sweep import branch_section
+from experiments.reproduction.extras import ratio as _ratio
+from experiments.reproduction.paper import PAPER
+from experiments.reproduction.sweep import branch_section
 
 
 def _rows(results, figure, **match):

@@ -1,4 +1,4 @@
-"""The case study's section of REPRODUCTION.md (`reproduction_report`).
+"""The case study's section of REPRODUCTION.md (`report`).
 
 Besides our planners' plans, the paper's own two plans are timed in our
 cost model; where they do not give the paper's speed-up, the section says
@@ -7,8 +7,8 @@ why with a count anyone can redo: the pipeline's fill and drain.
 
 from __future__ import annotations
 
-from experiments.paper import PAPER
-from experiments.reproduction_extras import ratio
+from experiments.reproduction.extras import ratio
+from experiments.reproduction.paper import PAPER
 
 
 def case_section(results) -> list[str]:

@@ -2,7 +2,7 @@
 
 Per-stage micro-batch sizes (GraphPipe's optional extension, no numbers in
 the paper) and the check of our sequential baseline against PipeDream's
-own partitioner; `experiments.reproduction_report` assembles the report.
+own partitioner; `experiments.reproduction.report` assembles the report.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The branch sweep's section of REPRODUCTION.md (`reproduction_report`).
+"""The branch sweep's section of REPRODUCTION.md (`report`).
 
 Besides the speed-ups, it sets out the ceiling no plan passes in this cost
 model (`graphpipe.simulator.iteration_floor`), so a figure below the
@@ -7,8 +7,8 @@ paper's says whether any planner could have reached it.
 
 from __future__ import annotations
 
-from experiments.paper import PAPER
-from experiments.reproduction_extras import cell, ratio, seconds, size
+from experiments.reproduction.extras import cell, ratio, seconds, size
+from experiments.reproduction.paper import PAPER
 
 
 def _rows(results, branches):
