@@ -99,8 +99,12 @@ def _disco_section(results: dict, source: str) -> list[str]:
     f"{len(results['quality_dense_per_seed'])} seeds, "
     f"{results.get('wall_seconds', '?')} s.",
     "",
-    f"| arm | {metric} (test, mean) | per seed | validation (mean) |",
-    "|---|---|---|---|",
+  ]
+  ssim = any(f"ssim_{arm}" in results for arm in _ARMS)
+  out += [
+    f"| arm | {metric} (test, mean) | per seed | validation (mean) |"
+    + (" SSIM (test) |" if ssim else ""),
+    "|---|---|---|---|" + ("---|" if ssim else ""),
   ]
   for arm in _ARMS:
     if f"quality_{arm}" not in results:
@@ -110,6 +114,7 @@ def _disco_section(results: dict, source: str) -> list[str]:
     out.append(
       f"| {arm} | {_num(results[f'quality_{arm}'])} | {per_seed} | "
       f"{_num(results.get(f'quality_{arm}_validation'))} |"
+      + (f" {_num(results.get(f'ssim_{arm}'))} |" if ssim else "")
     )
   if "quality_random_per_seed" in results:
     diff = paired_interval(
