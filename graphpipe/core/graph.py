@@ -274,6 +274,14 @@ class OpGraph:
     batch."""
     return self.meta.get("whole_batch_only")
 
+  @property
+  def collective_axes(self) -> tuple[str, ...]:
+    """The collective axes the model's code names (BatchNorm(axis_name=
+    'batch')): the replicas of a micro-batch, which the plans keep on one
+    device (no data-parallel stage), so a statistic over the axis is the
+    whole micro-batch's."""
+    return tuple(self.meta.get("collective_axes", ()))
+
   # Structure.
 
   def __len__(self) -> int:

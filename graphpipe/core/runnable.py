@@ -5,6 +5,13 @@ Capture records where a model cannot be cut freely (`OpGraph.meta`):
   whole_batch_only  the loss is exact only with the whole batch in one
                     piece (a max or a product across samples): one
                     micro-batch, one device a stage;
+  collective_axes   the model's code names a collective axis (a
+                    BatchNorm(axis_name='batch') syncing statistics across
+                    data-parallel replicas): one device a stage, holding
+                    the micro-batch whole, so a statistic over the axis
+                    is the micro-batch's (replicated stages would need a
+                    collective inside each device's conditional branch,
+                    which XLA:CPU cannot run: every device must join);
   cut_rules.apart   node pairs whose values hold samples apart along the
                     batch axis (time-major): both ends take chunks of one
                     size (no data-parallel split or micro-batch join
@@ -35,8 +42,9 @@ from graphpipe.core.stages import Plan
 def replica_counts(graph: OpGraph, micro_batch: int, num_devices: int):
   """The data-parallel degrees k a stage of micro-batches of
   `micro_batch` may take: k divides it, the chunk traces, and only k = 1
-  where the loss needs the whole batch."""
-  if graph.whole_batch_only:
+  where the loss needs the whole batch or the model names a collective
+  axis."""
+  if graph.whole_batch_only or graph.collective_axes:
     return [1] if graph.traces_at(micro_batch) else []
   return [
     k
@@ -53,6 +61,24 @@ def micro_batch_sizes(graph: OpGraph, batch_size: int, sizes) -> list[int]:
   return [b for b in sizes if graph.traces_at(b)]
 
 
+def replication_refusal(graph: OpGraph, plan: Plan) -> str | None:
+  """Why `plan` may not replicate a stage of `graph` (the model names a
+  collective axis), or None; the Trainer checks it too."""
+  if not graph.collective_axes:
+    return None
+  for s in plan.stages:
+    if len(s.devices) > 1:
+      return (
+        f"stage {s.id} is data-parallel over {len(s.devices)} devices, but "
+        f"the model's code names the collective axis "
+        f"{', '.join(graph.collective_axes)} (e.g. BatchNorm(axis_name=...)):"
+        " graphpipe runs each micro-batch of such a model whole on one "
+        "device a stage, so statistics over the axis are the micro-batch's;"
+        " plan with one device a stage (the planners do)"
+      )
+  return None
+
+
 def refusal(graph: OpGraph, plan: Plan) -> str | None:
   """Why the trainer would refuse `plan` for `graph`, or None."""
   chunk = {s.id: s.micro_batch_size // len(s.devices) for s in plan.stages}
@@ -63,6 +89,9 @@ def refusal(graph: OpGraph, plan: Plan) -> str | None:
       "the plan splits the batch, but the loss is exact only on the whole "
       f"batch: {graph.whole_batch_only}"
     )
+  replicated = replication_refusal(graph, plan)
+  if replicated:
+    return replicated
   for s in plan.stages:
     if not graph.traces_at(chunk[s.id]):
       return (

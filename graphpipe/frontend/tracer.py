@@ -9,6 +9,7 @@ nodes; `graphpipe.frontend.node_costs` measures them.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 
@@ -163,6 +164,14 @@ def capture(
   # Scanned layer stacks unrolled, one node per layer: known after it.
   stacks: Stacks | None = None
 
+  # Collective axes the model's code names (BatchNorm(axis_name=...)):
+  # the data-parallel replicas of a micro-batch. graphpipe runs a stage of
+  # such a model on one device holding the whole micro-batch, so each
+  # axis is bound with size 1 (a collective over it is the identity on
+  # that one replica) and `graphpipe.core.runnable` keeps every stage
+  # unreplicated: statistics over the axis are the micro-batch's.
+  axes: list[str] = []
+
   def trace(size: int):
     def fn(params, state, streams, b):
       loss, params_after, state_after = bound.call(
@@ -172,6 +181,10 @@ def capture(
         return loss, params_after, state_after
       return loss, [state_after[j] for j in updated]
 
+    for name in axes:
+      fn = jax.vmap(
+        fn, in_axes=None, out_axes=None, axis_size=1, axis_name=name
+      )
     try:
       closed = jax.make_jaxpr(fn)(
         params_abs,
@@ -183,13 +196,22 @@ def capture(
       raise
     except Exception as err:  # the user's code failed: say where to look
       hint = STATEFUL_HINTS.get(type(err).__name__)
-      if "unbound axis name" in str(err):
+      unbound = _UNBOUND_AXIS.search(str(err))
+      if unbound and unbound.group(1) not in axes and len(axes) < 8:
+        axes.append(unbound.group(1))
+        return trace(size)
+      if unbound:
         hint = (
-          "The model names a collective axis (e.g. BatchNorm(axis_name=...))."
-          " graphpipe runs the model's code per stage and binds no such "
-          "axis: drop axis_name (each data-parallel replica then normalises "
-          "by its own rows; statistics across a stage's replicas are not "
-          "supported)"
+          f"The model names a collective axis ({unbound.group(1)}) that "
+          "graphpipe could not bind: name it with a string "
+          "(BatchNorm(axis_name='batch'))"
+        )
+      if axes and "out_axes" in str(err):
+        hint = (
+          f"The model names the collective axis {axes!r} (e.g. "
+          "BatchNorm(axis_name=...)): graphpipe binds it to the replicas "
+          "of a micro-batch, one device holding them all, so a value "
+          "that differs along it (lax.axis_index) cannot be run"
         )
       raise CaptureError(
         f"tracing loss_fn(model, batch) failed with {type(err).__name__}: "
@@ -330,11 +352,15 @@ def capture(
     capture_time_s=time.perf_counter() - start,
     loss_form=form.describe(),
     whole_batch_only=form.unsplittable,
+    collective_axes=list(axes),
     cut_rules=program.cut_rules(),
   )
   graph.model = name or bound.root
   graph.config = config
   return graph
+
+
+_UNBOUND_AXIS = re.compile(r"unbound axis name: ([^\s.,;]+)")
 
 
 def _updated_state(closed, bound) -> list[int]:

@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from graphpipe.core import runnable
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.errors import PipelineRuntimeError
@@ -125,6 +126,9 @@ class Trainer:
       )
     graph, mesh = guards.trainer_inputs(plan, optimizer, graph, mesh, AXIS)
     self.plan, self.graph, self.optimizer = plan, graph, optimizer
+    replicated = runnable.replication_refusal(graph, plan)
+    if replicated:
+      raise PipelineRuntimeError(replicated)
     self.stop_on_nan = stop_on_nan
     if schedule is None or isinstance(schedule, str):
       schedule = schedule_for(plan, schedule)

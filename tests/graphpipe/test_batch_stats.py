@@ -362,3 +362,164 @@ def test_linen_running_values_are_inputs_not_constants():
   trainer = graphpipe.Trainer(plan, optax.sgd(0.1), graph=graph)
   got, _ = trainer.loss_and_grads(trainer.init(variables2), {"x": x})
   assert got == pytest.approx(want, rel=1e-5)
+
+
+class SyncedNet(nn.Module):
+  """linen BatchNorm(axis_name='batch'), as published data-parallel
+  training code syncs statistics across replicas (ImageNet examples)."""
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    for width in (8, 8, 8):
+      x = nn.Dense(width, use_bias=False)(x)
+      x = nn.BatchNorm(
+        use_running_average=not train, momentum=0.9, axis_name="batch"
+      )(x)
+      x = nn.relu(x)
+    return nn.Dense(3)(x)
+
+
+def _synced_case():
+  module = SyncedNet()
+  rng = np.random.default_rng(3)
+  batch = {
+    "x": rng.standard_normal((BATCH, 5)).astype(np.float32),
+    "y": rng.integers(0, 3, BATCH).astype(np.int32),
+  }
+  variables = module.init(jax.random.key(0), batch["x"][:2], train=False)
+
+  def loss(bound, b):
+    logits = bound(b["x"], train=True)
+    return optax.softmax_cross_entropy_with_integer_labels(
+      logits, b["y"]
+    ).mean()
+
+  return module, batch, variables, loss
+
+
+@pytest.fixture(scope="module")
+def synced():
+  module, batch, variables, loss = _synced_case()
+  graph = graphpipe.capture(loss, module, batch, variables=variables)
+  return module, batch, variables, graph
+
+
+def synced_reference(module, batch, variables, micro, steps, optimizer):
+  """Plain JAX data parallelism as the model means it: each micro-batch
+  split over 2 replicas (shard_map, axis 'batch'), BatchNorm syncing its
+  statistics across them (one replica for a micro-batch of 1); gradients
+  accumulated in micro-batch order."""
+  from jax.sharding import Mesh
+  from jax.sharding import PartitionSpec as P
+
+  mesh = Mesh(np.array(jax.devices()[: 2 - micro % 2]), ("batch",))
+
+  def replicas(params, stats, part):
+    logits, new = module.apply(
+      {"params": params, "batch_stats": stats},
+      part["x"],
+      train=True,
+      mutable=["batch_stats"],
+    )
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, part["y"])
+    return jax.lax.pmean(ce.mean(), "batch"), new["batch_stats"]
+
+  run = jax.jit(
+    jax.value_and_grad(
+      jax.shard_map(
+        replicas,
+        mesh=mesh,
+        in_specs=(P(), P(), P("batch")),
+        out_specs=(P(), P()),
+      ),
+      has_aux=True,
+    )
+  )
+  params, stats = variables["params"], variables["batch_stats"]
+  opt_state = optimizer.init(params)
+  losses = []
+  for _ in range(steps):
+    grads = jax.tree.map(jnp.zeros_like, params)
+    total = 0.0
+    for m in range(BATCH // micro):
+      part = jax.tree.map(lambda x, m=m: x[m * micro : (m + 1) * micro], batch)
+      (value, stats), g = run(params, stats, part)
+      share = micro / BATCH
+      total += share * float(value)
+      grads = jax.tree.map(lambda a, b, s=share: a + s * b, grads, g)
+    losses.append(total)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  return losses, {"params": params, "batch_stats": stats}
+
+
+def _check_synced(module, batch, variables, graph, plan, steps=2):
+  assert runnable.refusal(graph, plan) is None
+  assert all(len(s.devices) == 1 for s in plan.stages)
+  (micro,) = {s.micro_batch_size for s in plan.stages}
+  optimizer = optax.adam(0.01)
+  trainer = graphpipe.Trainer(plan, optimizer, graph=graph)
+  state = trainer.init(variables)
+  got_losses = []
+  for _ in range(steps):
+    state, metrics = trainer.step(state, batch)
+    got_losses.append(metrics["loss"])
+  got = trainer.variables(state, variables)
+  want_losses, want = synced_reference(
+    module, batch, variables, micro, steps, optimizer
+  )
+  np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+  for path, value in jax.tree_util.tree_leaves_with_path(want):
+    have = got
+    for key in path:
+      have = have[key.key]
+    np.testing.assert_allclose(
+      np.asarray(have), np.asarray(value), atol=1e-5, err_msg=str(path)
+    )
+
+
+def test_synced_batch_norm_captures_with_its_axis(synced):
+  """Until 2026-12-05 BatchNorm(axis_name='batch') was refused at capture
+  ("drop axis_name")."""
+  _, _, _, graph = synced
+  assert graph.collective_axes == ("batch",)
+  assert len(graph.program.statistic_nodes) == 3
+  # The replicas of a micro-batch are one device: no data-parallel stage.
+  assert runnable.replica_counts(graph, 8, 8) == [1]
+
+
+def test_synced_batch_norm_trains_as_replicas_syncing_statistics(synced):
+  module, batch, variables, graph = synced
+  n = len(graph.nodes)
+  plan = rc.manual_plan(
+    graph,
+    [(list(range(n // 2)), [0]), (list(range(n // 2, n)), [1])],
+    4,
+    BATCH,
+  )
+  _check_synced(module, batch, variables, graph, plan)
+
+
+@pytest.mark.parametrize("planner", ["graphpipe", "tightest"])
+def test_synced_batch_norm_planned_plans_train_exactly(synced, planner):
+  module, batch, variables, graph = synced
+  if planner == "graphpipe":
+    plan = graphpipe.plan(graph, num_devices=4, batch_size=BATCH)
+  else:
+    plan = graphpipe.tightest_plan(graph, num_devices=4, batch_size=BATCH)
+    assert len(plan.stages) >= 3
+  _check_synced(module, batch, variables, graph, plan)
+
+
+def test_synced_batch_norm_refuses_a_data_parallel_stage(synced):
+  _, _, _, graph = synced
+  n = len(graph.nodes)
+  plan = rc.manual_plan(
+    graph,
+    [(list(range(n // 2)), [0, 1]), (list(range(n // 2, n)), [2, 3])],
+    8,
+    BATCH,
+  )
+  assert "collective axis batch" in runnable.refusal(graph, plan)
+  with pytest.raises(PipelineRuntimeError, match="collective axis batch"):
+    graphpipe.Trainer(plan, optax.sgd(0.1), graph=graph)
