@@ -265,20 +265,27 @@ def test_a_loss_reading_the_value_it_updates_is_refused():
 
 class LinenNet(nn.Module):
   """linen: BatchNorm with `use_running_average=not train`, called with
-  `mutable=['batch_stats']` in the published training loops."""
+  `mutable=['batch_stats']` in the published training loops; with
+  `axis_name='batch'` syncing statistics across data-parallel replicas,
+  as published data-parallel code (ImageNet examples) writes it."""
+
+  widths: tuple[int, ...] = (8, 8)
+  axis_name: str | None = None
 
   @nn.compact
   def __call__(self, x, train: bool):
-    for width in (8, 8):
+    for width in self.widths:
       x = nn.Dense(width, use_bias=False)(x)
-      x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+      x = nn.BatchNorm(
+        use_running_average=not train, momentum=0.9, axis_name=self.axis_name
+      )(x)
       x = nn.relu(x)
     return nn.Dense(3)(x)
 
 
-def test_linen_batch_stats_train_and_come_back():
-  module = LinenNet()
-  rng = np.random.default_rng(1)
+def linen_case(module, seed):
+  """(batch, variables, loss) of a LinenNet: 5 features, 3 classes."""
+  rng = np.random.default_rng(seed)
   batch = {
     "x": rng.standard_normal((BATCH, 5)).astype(np.float32),
     "y": rng.integers(0, 3, BATCH).astype(np.int32),
@@ -291,6 +298,23 @@ def test_linen_batch_stats_train_and_come_back():
       logits, b["y"]
     ).mean()
 
+  return batch, variables, loss
+
+
+def assert_variables_close(got, want):
+  """Every leaf of the variables dict `want` within 1e-5 in `got`."""
+  for path, value in jax.tree_util.tree_leaves_with_path(want):
+    have = got
+    for key in path:
+      have = have[key.key]
+    np.testing.assert_allclose(
+      np.asarray(have), np.asarray(value), atol=1e-5, err_msg=str(path)
+    )
+
+
+def test_linen_batch_stats_train_and_come_back():
+  module = LinenNet()
+  batch, variables, loss = linen_case(module, 1)
   graph = graphpipe.capture(loss, module, batch, variables=variables)
   assert len(graph.program.update_keys) == 4
   n = len(graph.nodes)
@@ -326,15 +350,7 @@ def test_linen_batch_stats_train_and_come_back():
       grads = jax.tree.map(lambda a, b: a + b / 4, grads, g)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-  for path, want in jax.tree_util.tree_leaves_with_path(
-    {"params": params, "batch_stats": stats}
-  ):
-    have = got
-    for key in path:
-      have = have[key.key]
-    np.testing.assert_allclose(
-      np.asarray(have), np.asarray(want), atol=1e-5, err_msg=str(path)
-    )
+  assert_variables_close(got, {"params": params, "batch_stats": stats})
 
 
 def test_linen_running_values_are_inputs_not_constants():
@@ -364,42 +380,10 @@ def test_linen_running_values_are_inputs_not_constants():
   assert got == pytest.approx(want, rel=1e-5)
 
 
-class SyncedNet(nn.Module):
-  """linen BatchNorm(axis_name='batch'), as published data-parallel
-  training code syncs statistics across replicas (ImageNet examples)."""
-
-  @nn.compact
-  def __call__(self, x, train: bool):
-    for width in (8, 8, 8):
-      x = nn.Dense(width, use_bias=False)(x)
-      x = nn.BatchNorm(
-        use_running_average=not train, momentum=0.9, axis_name="batch"
-      )(x)
-      x = nn.relu(x)
-    return nn.Dense(3)(x)
-
-
-def _synced_case():
-  module = SyncedNet()
-  rng = np.random.default_rng(3)
-  batch = {
-    "x": rng.standard_normal((BATCH, 5)).astype(np.float32),
-    "y": rng.integers(0, 3, BATCH).astype(np.int32),
-  }
-  variables = module.init(jax.random.key(0), batch["x"][:2], train=False)
-
-  def loss(bound, b):
-    logits = bound(b["x"], train=True)
-    return optax.softmax_cross_entropy_with_integer_labels(
-      logits, b["y"]
-    ).mean()
-
-  return module, batch, variables, loss
-
-
 @pytest.fixture(scope="module")
 def synced():
-  module, batch, variables, loss = _synced_case()
+  module = LinenNet(widths=(8, 8, 8), axis_name="batch")
+  batch, variables, loss = linen_case(module, 3)
   graph = graphpipe.capture(loss, module, batch, variables=variables)
   return module, batch, variables, graph
 
@@ -469,13 +453,7 @@ def _check_synced(module, batch, variables, graph, plan, steps=2):
     module, batch, variables, micro, steps, optimizer
   )
   np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
-  for path, value in jax.tree_util.tree_leaves_with_path(want):
-    have = got
-    for key in path:
-      have = have[key.key]
-    np.testing.assert_allclose(
-      np.asarray(have), np.asarray(value), atol=1e-5, err_msg=str(path)
-    )
+  assert_variables_close(got, want)
 
 
 def test_synced_batch_norm_captures_with_its_axis(synced):
