@@ -7,9 +7,17 @@ communication ratio r is kept groups / all groups over the model; it is the
 bytes sent relative to dense channel parallelism when every mask keeps the
 same fraction (the per-layer budget).
 
-- Scores (`selection`): "magnitude" is the L2 norm of the group's weight
-  column, over all layers sharing the mask; "random" is a fixed random
-  number per group (the baseline, at the same r).
+- Scores (`selection`): "saliency" is the loss increase expected when the
+  group's gate closes, measured while training: with a gate g scaling the
+  group's weight columns (g = 1 now), d loss / d g = sum(W * dL/dW) over
+  those columns of every layer sharing the mask, and the second-order
+  (Fisher) estimate of the increase is 1/2 E[(d loss / d g)^2], averaged
+  over training batches (an exponential average over about one epoch;
+  Molchanov et al., 2019, on gates instead of filters). `train.fit`
+  accumulates it during a schedule that selects by saliency.
+  "magnitude" is the L2 norm of the group's weight column, over all layers
+  sharing the mask; "random" is a fixed random number per group (the
+  baseline, at the same r).
 - Budget: "layer" keeps floor(r x groups) in every mask, so every layer's
   traffic, compute and weights shrink by the same factor; "global" keeps
   floor(r x all groups) over the model, ranking magnitudes normalised by
@@ -35,7 +43,7 @@ from flax import nnx
 from disco.errors import PruneError, require_int
 from disco.layers import CommMask, DiscoLayer, require_concrete_masks
 
-SELECTIONS = ("magnitude", "random")
+SELECTIONS = ("saliency", "magnitude", "random")
 BUDGETS = ("layer", "global")
 
 
@@ -63,14 +71,26 @@ class MaskGroup:
     Traceable, so training can penalise them; with `host` computed in
     numpy. Bits that are not groups get the norm of the local column.
     """
-    squares = 0.0
-    for layer in self.layers:
-      kernel = layer.kernel[...]
-      kernel = np.asarray(kernel) if host else kernel
-      by_column = (kernel**2).sum(axis=tuple(range(kernel.ndim - 2)))
+    return (self.column_squares(host) + 1e-12) ** 0.5
+
+  def column_squares(self, host: bool = False):
+    """(nodes, channels) sums of squares of each group's weight column
+    (`column_norms` squared, without its epsilon)."""
+    return self.column_sums(
+      [layer.kernel[...] ** 2 for layer in self.layers], host
+    )
+
+  def column_sums(self, per_layer, host: bool = False):
+    """(nodes, channels): values shaped like each layer's kernel (in
+    `layers` order) summed over every group's weight column: the kernel's
+    leading (spatial) axes and the output channels of each destination."""
+    total = 0.0
+    for layer, values in zip(self.layers, per_layer, strict=True):
+      values = np.asarray(values) if host else values
+      by_column = values.sum(axis=tuple(range(values.ndim - 2)))
       owner = np.eye(layer.num_nodes)[layer.out_split.owner()]
-      squares = squares + (by_column @ owner).T
-    return (squares + 1e-12) ** 0.5
+      total = total + (by_column @ owner).T
+    return total
 
 
 def mask_groups(model: nnx.Module) -> list[MaskGroup]:
@@ -94,6 +114,45 @@ def mask_groups(model: nnx.Module) -> list[MaskGroup]:
       layers = groups[key].layers if key in groups else ()
       groups[key] = MaskGroup(module.mask, layers + (module,), module.cross())
   return list(groups.values())
+
+
+def gate_gradients(model: nnx.Module, grads: nnx.Module) -> list[jax.Array]:
+  """Per mask group (`mask_groups` order), (nodes, channels) derivatives of
+  the loss by each channel group's gate: a gate g scaling the group's
+  weight columns, at g = 1, d loss / d g = sum(W * dL/dW) over them.
+
+  Traceable: `train.fit` computes it inside its training step.
+
+  Example:
+    >>> import jax
+    >>> from flax import nnx
+    >>> from disco.layers import DiscoDense
+    >>> layer = DiscoDense(4, 4, num_nodes=2, rngs=nnx.Rngs(0))
+    >>> x = jnp.ones((3, 4))
+    >>> graphdef, _, rest = nnx.split(layer, nnx.Param, ...)
+    >>> grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(layer)
+    >>> of_grads = nnx.merge(graphdef, grads, rest)
+    >>> [g.shape for g in gate_gradients(layer, of_grads)]
+    [(2, 4)]
+
+  Args:
+    model: a model built from DISCO layers.
+    grads: the same model holding, in place of its parameters, the
+      gradients of the loss by them.
+  """
+  out = []
+  for group, of_grads in zip(
+    mask_groups(model), mask_groups(grads), strict=True
+  ):
+    out.append(
+      group.column_sums(
+        [
+          layer.kernel[...] * grad.kernel[...]
+          for layer, grad in zip(group.layers, of_grads.layers, strict=True)
+        ]
+      )
+    )
+  return out
 
 
 def comm_ratio(model: nnx.Module) -> float:
@@ -122,6 +181,7 @@ def to_ratio(
   budget: str = "layer",
   selection: str = "magnitude",
   seed: int = 0,
+  saliency=None,
 ) -> None:
   """Sets the masks in place to keep the best `comm_ratio` of the groups.
 
@@ -138,13 +198,17 @@ def to_ratio(
     comm_ratio: target fraction of channel groups kept, in [0, 1].
     budget: "layer" (the fraction in every mask) or "global" (over the
       model).
-    selection: "magnitude" or "random".
+    selection: "saliency", "magnitude" or "random".
     seed: seed of the random scores.
+    saliency: with selection "saliency", the scores: one (nodes, channels)
+      array per mask group in `mask_groups` order (what `train.fit`
+      accumulates, `SaliencyMeter`).
 
   Raises:
     PruneError: a ratio outside [0, 1], an unknown option, a target that
-      would keep a group already dropped, or (magnitude selection) weights
-      that are not finite.
+      would keep a group already dropped, saliency selection without
+      scores of the model's shapes, or scores (weights for magnitude
+      selection) that are not finite.
   """
   comm_ratio = check_ratio(comm_ratio)
   require_int("seed", seed, 0, PruneError)
@@ -154,8 +218,9 @@ def to_ratio(
       f"{type(model).__name__} has no DISCO layers: there is nothing to prune"
     )
   groups = mask_groups(model)
+  given = _check_saliency(groups, selection, saliency)
   scores = [
-    _scores(g, index, selection, seed) for index, g in enumerate(groups)
+    _scores(g, index, selection, seed, given) for index, g in enumerate(groups)
   ]
   if budget == "layer":
     for group, score in zip(groups, scores, strict=True):
@@ -236,7 +301,8 @@ class GradualSchedule:
     steps: training steps from the first to the last pruning.
     every: training steps between prunings.
     budget: "layer" or "global" (see `to_ratio`).
-    selection: "magnitude" or "random".
+    selection: "saliency", "magnitude" or "random"; saliency needs the
+      scores `train.fit` accumulates (`apply`'s `saliency`).
     seed: seed of the random scores.
   """
 
@@ -267,15 +333,62 @@ class GradualSchedule:
       step % self.every == 0 or step == self.steps
     )
 
-  def apply(self, model: nnx.Module, step: int) -> None:
-    """Prunes `model` to `ratio_at(step)`."""
+  def apply(self, model: nnx.Module, step: int, saliency=None) -> None:
+    """Prunes `model` to `ratio_at(step)` (`saliency`: see `to_ratio`)."""
     to_ratio(
       model,
       self.ratio_at(step),
       budget=self.budget,
       selection=self.selection,
       seed=self.seed,
+      saliency=saliency,
     )
+
+
+class SaliencyMeter:
+  """Exponential average of the squared gate derivatives over batches.
+
+  `update` is traceable (`train.fit` runs it inside its jitted step, the
+  average an argument and a result of the step); `scores` are 1/2 the
+  average: the Fisher estimate of the loss increase when each group's
+  gate closes (`to_ratio`'s `saliency`).
+
+  Example:
+    >>> meter = SaliencyMeter(horizon=1)
+    >>> state = meter.zeros([np.ones((2, 3))])
+    >>> state = meter.update(state, [jnp.ones((2, 3))])
+    >>> SaliencyMeter.scores(state)[0][0, 0]
+    0.5
+
+  Args:
+    horizon: batches the average spans (its decay is 1 - 1 / horizon).
+  """
+
+  def __init__(self, horizon: int):
+    require_int("horizon", horizon, 1, PruneError)
+    self.decay = 1.0 - 1.0 / horizon
+
+  @staticmethod
+  def zeros(shapes_of) -> list[jax.Array]:
+    """The starting average: zeros shaped like each of `shapes_of`."""
+    return [jnp.zeros(np.shape(a), jnp.float32) for a in shapes_of]
+
+  def update(self, average, gate_grads) -> list[jax.Array]:
+    """`average` moved towards this batch's squared `gate_grads`."""
+    return self.moved(average, gate_grads, self.decay)
+
+  @staticmethod
+  def moved(average, gate_grads, decay) -> list[jax.Array]:
+    """`update` with the decay given (static inside a jitted step)."""
+    return [
+      decay * a + (1.0 - decay) * jnp.square(g)
+      for a, g in zip(average, gate_grads, strict=True)
+    ]
+
+  @staticmethod
+  def scores(average) -> list[np.ndarray]:
+    """The estimated loss increases, on the host."""
+    return [0.5 * np.asarray(a, np.float64) for a in average]
 
 
 def group_norm_penalty(model: nnx.Module) -> jax.Array:
@@ -298,10 +411,47 @@ def group_norm_penalty(model: nnx.Module) -> jax.Array:
   return total
 
 
-def _scores(group: MaskGroup, index: int, selection: str, seed: int):
+def _check_saliency(groups, selection, saliency):
+  """`saliency` as host arrays; PruneError where selection is "saliency"
+  and they are missing or not one array of each mask's shape."""
+  if selection != "saliency":
+    if saliency is not None:
+      raise PruneError(
+        f"saliency scores were given to selection {selection!r}, which does "
+        "not read them: pass selection='saliency'"
+      )
+    return None
+  if saliency is None:
+    raise PruneError(
+      "selection 'saliency' ranks channel groups by the loss change "
+      "measured while training: prune with train.fit and a "
+      "GradualSchedule(selection='saliency'), or pass the scores "
+      "(saliency=, one (nodes, channels) array per mask group)"
+    )
+  scores = [np.asarray(s, np.float64) for s in saliency]
+  shapes = [g.cross.shape for g in groups]
+  if [s.shape for s in scores] != shapes:
+    raise PruneError(
+      f"saliency scores of shapes {[s.shape for s in scores]} for mask "
+      f"groups of shapes {shapes}: they were measured on another model"
+    )
+  return scores
+
+
+def _scores(group, index, selection, seed, saliency):
   if selection == "random":
     # One fixed number per group, so a gradual schedule drops a fixed order.
     return np.random.default_rng([seed, index]).random(group.cross.shape)
+  if selection == "saliency":
+    score = saliency[index]
+    if not np.all(np.isfinite(score[group.cross])):
+      raise PruneError(
+        f"the saliency of mask group {index} (of "
+        f"{type(group.layers[0]).__name__} layers) holds NaN or inf: the "
+        "training that measured it diverged (a learning rate too high, "
+        "non-finite inputs)"
+      )
+    return score
   norms = group.column_norms(host=True)
   if not np.all(np.isfinite(norms[group.cross])):
     # NaN scores sorted below every other: the mask kept nothing, silently.

@@ -9,6 +9,8 @@ from dense training to fine-tuning never recompile::
     params, masks, rest = split(model)            # rest: batch statistics
     for each epoch, for each shuffled batch:
       params, rest = step(params, masks, rest, batch, lr(step), ...)
+      (saliency selection: the step also moves the average of the squared
+       gate derivatives, prune.SaliencyMeter)
       if the schedule prunes after this step:      # host side, rare
         write params back, prune to r(step), read the masks again
     write everything back; the model is left in eval mode
@@ -95,7 +97,10 @@ def fit(
     config: hyperparameters.
     seed: seed of the batch order.
     schedule: gradual pruning, counted in steps of this run; after its last
-      step the masks stay fixed (fine-tuning).
+      step the masks stay fixed (fine-tuning). With selection "saliency"
+      the steps while it prunes also measure each channel group's saliency
+      (`prune.SaliencyMeter`, over about one epoch of batches), which each
+      pruning ranks by.
     progress: called with one line of text per epoch.
     loss: (model outputs, a batch of `labels`) -> mean loss, a function
       jit can treat as static (default: `classification_loss`). `labels`
@@ -145,14 +150,21 @@ def fit(
   rng = np.random.default_rng(seed)
   losses = []
   step = 0
+  # Saliency selection: the squared gate derivatives averaged over about
+  # one epoch of batches, carried through the jitted step.
+  meter = average = None
+  if schedule is not None and schedule.selection == "saliency":
+    meter = prune.SaliencyMeter(horizon=steps_per_epoch)
+    average = meter.zeros([g.cross for g in prune.mask_groups(model)])
   for epoch in range(config.epochs):
     start = time.perf_counter()
     order = rng.permutation(len(images))
     epoch_loss = jnp.zeros(())
     for batch in range(steps_per_epoch):
       pruning = schedule is not None and step < schedule.steps
+      measuring = pruning and meter is not None
       index = order[batch * config.batch_size : (batch + 1) * config.batch_size]
-      params, rest, opt_state, loss = _train_step(
+      params, rest, opt_state, loss, average = _train_step(
         graphdef,
         params,
         masks,
@@ -164,12 +176,15 @@ def fit(
         config.weight_decay,
         config.group_lasso if pruning else 0.0,
         loss_of,
+        meter.decay if measuring else None,
+        average if measuring else None,
       )
       epoch_loss = epoch_loss + loss
       step += 1
       if schedule is not None and schedule.due(step):
         nnx.update(model, params, rest)
-        schedule.apply(model, step)
+        scores = None if meter is None else meter.scores(average)
+        schedule.apply(model, step, saliency=scores)
         masks = nnx.state(model, CommMask)
     losses.append(float(epoch_loss) / steps_per_epoch)
     if progress is not None:
@@ -255,7 +270,7 @@ def classification_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
   )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 10))
+@functools.partial(jax.jit, static_argnums=(0, 10, 11))
 def _train_step(
   graphdef,
   params,
@@ -268,19 +283,42 @@ def _train_step(
   weight_decay,
   group_lasso,
   loss_of,
+  decay,
+  average,
 ):
+  """One AdamW step; with a saliency `average` (and its `decay`), also the
+  average moved by this batch's squared gate derivatives of the task loss
+  (`prune.SaliencyMeter`); None otherwise."""
+
+  def penalty_of(params):
+    return prune.group_norm_penalty(
+      nnx.merge(graphdef, params, masks, rest, copy=True)
+    )
+
   def loss_fn(params):
     # copy=True: the batch statistics are updated inside this trace.
     model = nnx.merge(graphdef, params, masks, rest, copy=True)
     loss = loss_of(model(images), labels)
-    penalty = prune.group_norm_penalty(model)
     *_, new_rest = nnx.split(model, nnx.Param, CommMask, ...)
-    return loss + group_lasso * penalty, (loss, new_rest)
+    return loss + group_lasso * penalty_of(params), (loss, new_rest)
 
-  (_, (loss, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  (_, (loss, new_rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+    params
+  )
+  if average is not None:
+    # The task loss's gradients: the group-lasso term's taken out (it has
+    # no data in it, so its gradient costs no forward pass).
+    penalty = jax.grad(penalty_of)(params)
+    task = jax.tree.map(lambda g, p: g - group_lasso * p, grads, penalty)
+    gates = prune.gate_gradients(
+      nnx.merge(graphdef, params, masks, rest, copy=True),
+      nnx.merge(graphdef, task, masks, rest, copy=True),
+    )
+    average = prune.SaliencyMeter.moved(average, gates, decay)
   optimizer = optax.adamw(learning_rate, weight_decay=weight_decay)
   updates, opt_state = optimizer.update(grads, opt_state, params)
-  return optax.apply_updates(params, updates), rest, opt_state, loss
+  params = optax.apply_updates(params, updates)
+  return params, new_rest, opt_state, loss, average
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -138,6 +138,83 @@ def test_growing_masks_and_unknown_options_are_refused():
     prune.to_ratio(model, 0.1, selection="learned")
 
 
+def _gated_loss(parts, x, group, node, channel, gate):
+  """The squared output of the model split into `parts` with one channel
+  group's weight columns (input `channel` into `node`'s outputs, in every
+  layer of mask `group`) scaled by `gate`."""
+  scaled = nnx.merge(*parts, copy=True)
+  for layer in prune.mask_groups(scaled)[group].layers:
+    columns = layer.out_split.indices(node)
+    kernel = layer.kernel[...]
+    scale = jnp.ones(kernel.shape).at[..., channel, columns].set(gate)
+    layer.kernel[...] = kernel * scale
+  return jnp.sum(scaled(x) ** 2)
+
+
+def test_gate_gradients_are_the_derivative_of_a_gate_on_each_group():
+  # Every group of both masks of two layers, against jax.grad of the loss
+  # by a scalar gate on that group's columns.
+  model = TwoLayers(seed=3)
+  prune.to_ratio(model, 0.5)  # dropped groups: derivative 0, masked
+  x = normal(1, (5, 10))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+  gates = prune.gate_gradients(model, nnx.merge(graphdef, grads, rest))
+  for index, group in enumerate(prune.mask_groups(model)):
+    assert gates[index].shape == group.cross.shape
+    for node, channel in zip(*np.nonzero(group.cross), strict=True):
+      want = jax.grad(
+        lambda g, i=index, n=node, c=channel: _gated_loss(
+          (graphdef, params, rest), x, i, n, c, g
+        )
+      )(1.0)
+      assert float(gates[index][node, channel]) == pytest.approx(
+        float(want), rel=1e-4, abs=1e-5
+      )
+
+
+def test_saliency_selection_keeps_the_groups_of_highest_score():
+  model = TwoLayers()
+  scores = [
+    g.cross * np.arange(g.cross.size).reshape(g.cross.shape)
+    for g in prune.mask_groups(model)
+  ]
+  prune.to_ratio(model, 0.5, selection="saliency", saliency=scores)
+  for group, score in zip(prune.mask_groups(model), scores, strict=True):
+    kept = group.kept()
+    # every kept group outscores every dropped one of its mask
+    assert score[kept].min() > score[group.cross & ~kept].max()
+
+
+def test_saliency_without_scores_of_the_model_is_refused():
+  model = TwoLayers()
+  with pytest.raises(PruneError, match="train.fit"):
+    prune.to_ratio(model, 0.5, selection="saliency")
+  with pytest.raises(PruneError, match="another model"):
+    prune.to_ratio(
+      model, 0.5, selection="saliency", saliency=[np.ones((2, 10))]
+    )
+  bad = [np.ones(g.cross.shape) for g in prune.mask_groups(model)]
+  bad[1][0, 6] = np.nan  # a channel group of the second mask
+  with pytest.raises(PruneError, match="NaN"):
+    prune.to_ratio(model, 0.5, selection="saliency", saliency=bad)
+  with pytest.raises(PruneError, match="does not read them"):
+    prune.to_ratio(model, 0.5, saliency=bad)
+
+
+def test_saliency_meter_averages_squares_over_its_horizon():
+  meter = prune.SaliencyMeter(horizon=4)
+  state = meter.zeros([np.ones((1, 2))])
+  for value in (1.0, 3.0):
+    state = meter.update(state, [jnp.full((1, 2), value)])
+  # 0.75 * (0.25 * 1) + 0.25 * 9, halved
+  assert prune.SaliencyMeter.scores(state)[0][0, 0] == pytest.approx(
+    0.5 * (0.75 * 0.25 + 0.25 * 9)
+  )
+  with pytest.raises(PruneError, match="horizon"):
+    prune.SaliencyMeter(horizon=0)
+
+
 def test_group_norm_penalty_sums_kept_cross_columns():
   layer = DiscoDense(2, 2, num_nodes=2, rngs=nnx.Rngs(0))
   layer.kernel[...] = jnp.array([[1.0, 3.0], [4.0, 2.0]])
