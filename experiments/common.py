@@ -308,6 +308,37 @@ def _strict(value):
   return value
 
 
+# Two-sided 95% quantiles of Student's t for 1-30 degrees of freedom, and
+# the normal quantile beyond (enough for seed counts).
+_T95 = (
+  12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+  2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+  2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+def paired_interval(a: list[float], b: list[float]) -> dict:
+  """Mean of a - b over paired seeds and its two-sided 95% t interval.
+
+  >>> r = paired_interval([0.9, 0.8, 0.85], [0.8, 0.8, 0.8])
+  >>> round(r["mean"], 4), r["seeds"]
+  (0.05, 3)
+  >>> round(r["low"], 4), round(r["high"], 4)
+  (-0.0742, 0.1742)
+  """
+  if len(a) != len(b):
+    raise ValueError(f"unpaired: {len(a)} against {len(b)} seeds")
+  diffs = [x - y for x, y in zip(a, b, strict=True)]
+  n = len(diffs)
+  mean = sum(diffs) / n
+  if n < 2:
+    return {"mean": mean, "low": None, "high": None, "seeds": n}
+  sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+  t = _T95[n - 2] if n - 2 < len(_T95) else 1.960
+  half = t * sd / math.sqrt(n)
+  return {"mean": mean, "low": mean - half, "high": mean + half, "seeds": n}
+
+
 def plan_summary(plan, report) -> dict:
   """The headline figures of a planned and simulated configuration.
 

@@ -10,14 +10,17 @@ learning rate of dense training (`--learning_rates`) and, with `--sweep`,
 the smallest ratio within `--tolerance` of dense; the test split only
 reports. For every seed: train the dense model (all masks one); from it,
 train three models for the same number of epochs, pruning gradually and
-then with the masks fixed: DISCO (magnitude selection at --comm_ratio),
-random selection at the same ratio, and no communication (ratio 0). With
-`--sweep`, the first seed's dense model is also pruned to every ratio with
-both selections: quality against bytes per inference, `sweep_<task>.png`.
+then with the masks fixed: DISCO (`--selection`, saliency by default, at
+--comm_ratio), random selection at the same ratio, and no communication
+(ratio 0). With `--sweep`, the first seed's dense model is also pruned to
+every ratio with every selection (saliency, magnitude, random): quality
+against bytes per inference, one curve per selection, `sweep_<task>.png`.
 
 `results.json`: `metric` (accuracy, psnr, miou or map50), `quality_<v>`
 (test, mean over seeds) and `quality_<v>_per_seed` for v in dense, disco,
-random, no_comm, the same on validation, `comm_bytes_dense` /
+random, no_comm, the same on validation, `paired_disco_minus_random`
+(DISCO - random per seed, paired by seed: mean, 95% t interval, seeds),
+`comm_bytes_dense` /
 `comm_bytes_disco` (one inference of one image, from the masks), costs of
 the first seed's DISCO model, `sweep` rows and the `chosen` ratio;
 super-resolution adds SSIM and the bicubic baseline. One checkpoint per
@@ -96,7 +99,7 @@ def run(settings: Settings, out: str) -> dict:
       dense = experiment.dense(seed, learning_rate)
     scores["dense"].append(experiment.evaluate(dense))
     variants = {
-      "disco": (settings.comm_ratio, "magnitude"),
+      "disco": (settings.comm_ratio, settings.selection),
       "random": (settings.comm_ratio, "random"),
       "no_comm": (0.0, "magnitude"),
     }
@@ -227,7 +230,7 @@ class _Experiment:
     """One row per ratio and selection, from `dense`."""
     rows = []
     for ratio in ratios:
-      for selection in ("magnitude", "random"):
+      for selection in prune.SELECTIONS:
         model = self.pruned(dense, ratio, selection, seed, "sweep")
         scores = self.evaluate(model)
         rows.append(
@@ -257,7 +260,10 @@ def _results(settings, scores, model, sweep) -> dict:
       "flops_*": "FLOPs for one example, all nodes together",
       "sweep": "from the first seed's dense model; quality is on test",
       "chosen": "smallest bytes within tolerance of dense on validation",
+      "paired_disco_minus_random": "test quality of DISCO minus random, "
+      "paired by seed (same dense model): mean and 95% t interval",
     },
+    "selection": settings.selection,
   }
   for name, values in scores.items():
     results[f"quality_{name}"] = float(np.mean([v["test"] for v in values]))
@@ -280,6 +286,9 @@ def _results(settings, scores, model, sweep) -> dict:
     params_per_node_disco=disco_costs["params_per_node"],
     comm_ratio_measured=prune.comm_ratio(model),
     sweep=sweep,
+  )
+  results["paired_disco_minus_random"] = common.paired_interval(
+    results["quality_disco_per_seed"], results["quality_random_per_seed"]
   )
   results["chosen"] = _choose(settings, results, sweep)
   return results
@@ -315,10 +324,12 @@ def _plot(settings, results, out) -> str | None:
     common.log("no matplotlib (the plots extra): no sweep plot")
     return None
   figure, axes = plt.subplots(figsize=(5, 3.5))
-  for selection, marker in (("magnitude", "o-"), ("random", "s--")):
+  markers = dict(saliency="o-", magnitude="^-", random="s--")
+  for selection in prune.SELECTIONS:
     rows = [r for r in results["sweep"] if r["selection"] == selection]
     rows.sort(key=lambda r: r["comm_bytes"])
-    label = "DISCO (magnitude)" if selection == "magnitude" else "random"
+    label = selection if selection == "random" else f"DISCO ({selection})"
+    marker = markers[selection]
     axes.plot(
       [max(r["comm_bytes"], 1) for r in rows],
       [r["quality"] for r in rows],
@@ -349,6 +360,7 @@ _HEADLINE = (
   "quality_no_comm",
   "comm_bytes_dense",
   "comm_bytes_disco",
+  "paired_disco_minus_random",
   "chosen",
   "wall_seconds",
 )

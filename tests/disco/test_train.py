@@ -12,6 +12,7 @@ from flax import nnx
 
 from disco import checkpoint, data, prune, train
 from disco.errors import DiscoError, PruneError
+from disco.layers import DiscoDense
 from disco.models import ResNet, ResNetConfig
 from experiments import disco_train, results_pages
 
@@ -45,6 +46,37 @@ def test_fit_prunes_along_the_schedule_then_keeps_masks_fixed():
   # 10 classes, chance 0.1. Measured with Rngs(0..3): 0.61-0.67 (0.09-0.17
   # after the 3 + 1 epochs this test used to train).
   assert train.accuracy(model, DATASET.x_test, DATASET.y_test) >= 0.4
+
+
+class _Linear(nnx.Module):
+  """One dense layer over 2 nodes: 2 logits, one per node."""
+
+  def __init__(self):
+    self.layer = DiscoDense(8, 2, num_nodes=2, rngs=nnx.Rngs(0))
+
+  def __call__(self, x):
+    return self.layer(x)
+
+
+def test_saliency_keeps_the_groups_the_loss_needs():
+  # The label is the sign of x0 + x4: channel 0 is node 0's, 4 node 1's,
+  # so one of the two nodes' logits must read the other's channel; every
+  # other input channel is zero, so its weight columns get no gradient and
+  # its saliency is exactly 0 (magnitude would rank them by their random
+  # initial weights). Two of 8 groups kept: the two that carry the signal.
+  rng = np.random.default_rng(0)
+  x = np.zeros((512, 8), np.float32)
+  x[:, [0, 4]] = rng.normal(size=(512, 2))
+  y = (x[:, 0] + x[:, 4] > 0).astype(np.int32)
+  model = _Linear()
+  schedule = prune.GradualSchedule(
+    0.25, steps=16, every=4, selection="saliency"
+  )
+  config = train.TrainConfig(epochs=20, learning_rate=0.05)
+  train.fit(model, x, y, config, schedule=schedule)
+  kept = prune.mask_groups(model)[0].kept()
+  assert sorted(zip(*np.nonzero(kept), strict=True)) == [(0, 4), (1, 0)]
+  assert train.accuracy(model, x, y) > 0.9
 
 
 def test_fit_needs_one_batch():
@@ -125,9 +157,15 @@ def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
   assert len(results["quality_disco_per_seed"]) == 1
   rows = results["sweep"]
   assert [(r["ratio"], r["selection"]) for r in rows] == [
+    (0.1, "saliency"),
     (0.1, "magnitude"),
     (0.1, "random"),
   ]
+  paired = results["paired_disco_minus_random"]
+  assert paired["seeds"] == 1 and paired["low"] is None
+  assert paired["mean"] == pytest.approx(
+    results["quality_disco"] - results["quality_random"]
+  )
   assert rows[0]["comm_bytes"] < results["comm_bytes_disco"]
   assert (tmp_path / "sweep_classify.png").stat().st_size > 1000
   assert results["comm_bytes_disco"] <= 0.2 * results["comm_bytes_dense"]
