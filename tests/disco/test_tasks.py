@@ -37,6 +37,10 @@ CASES = {
   "deeplab": lambda: DeepLab(
     SegConfig(width=8, image_size=16), rngs=nnx.Rngs(3)
   ),
+  # Segmentation at 4 nodes: each node sends 3/4 of a layer's input.
+  "deeplab_4nodes": lambda: DeepLab(
+    SegConfig(num_nodes=4, width=8, image_size=16), rngs=nnx.Rngs(5)
+  ),
   "ssd": lambda: SSD(SSDConfig(width=8, image_size=16), rngs=nnx.Rngs(4)),
 }
 
