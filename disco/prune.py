@@ -357,7 +357,7 @@ class SaliencyMeter:
     >>> meter = SaliencyMeter(horizon=1)
     >>> state = meter.zeros([np.ones((2, 3))])
     >>> state = meter.update(state, [jnp.ones((2, 3))])
-    >>> SaliencyMeter.scores(state)[0][0, 0]
+    >>> float(SaliencyMeter.scores(state)[0][0, 0])
     0.5
 
   Args:
