@@ -81,6 +81,30 @@ class LayerCost:
     """Ordered node pairs that exchange anything."""
     return sum(1 for row in self.traffic for value in row if value)
 
+  @property
+  def calls(self) -> int:
+    """Collective calls that carry the layer's traffic.
+
+    The program (`disco.exchange`) sends the pairs of one shift
+    (destination - source, modulo the nodes) and one length in one
+    `ppermute`; pairs of one shift have distinct sources and destinations.
+
+    Example (node 0 sends 8 bytes, node 1 sends 4: two lengths, two calls):
+      >>> cost = LayerCost("head", "DiscoDense", (40, 40), (20, 20),
+      ...                  ((0, 8), (4, 0)), (40, 40), 56)
+      >>> cost.messages, cost.calls
+      (2, 2)
+    """
+    nodes = len(self.traffic)
+    return len(
+      {
+        ((j - i) % nodes, sent)
+        for i, row in enumerate(self.traffic)
+        for j, sent in enumerate(row)
+        if sent
+      }
+    )
+
 
 @dataclasses.dataclass(frozen=True)
 class CostReport:
@@ -318,12 +342,24 @@ class LatencyModel:
   """Time per inference from compute rate, link bandwidth and latency.
 
   Layers run one after another. A layer takes the slowest node's FLOPs at
-  `flops_per_second`, plus, when it communicates, the slowest sender's
-  time: per message `message_latency`, and its bytes at `bytes_per_second`
-  (each node sends its messages one after another over its own link).
-  Compute and communication do not overlap: an upper bound. With `shared`
-  the nodes share one link (a bus, or one throttled loopback): a layer's
-  messages then go one after another, all senders' bytes together.
+  `flops_per_second`, plus, when it communicates, `message_latency` per
+  collective call (`LayerCost.calls`: the program sends the pairs of one
+  shift and one length in one call, and calls run one after another) and
+  the slowest sender's bytes at `bytes_per_second` (each node has its own
+  link). Compute and communication do not overlap: an upper bound. With
+  `shared` the nodes share one link (a bus, or one throttled loopback):
+  all senders' bytes then pass it one after another.
+
+  A call's fixed cost on a real link (software, synchronisation, the
+  round trip) is not the wire's: `experiments.disco_latency` fits it, with
+  the bandwidth, from ppermute calls timed on the link itself.
+
+  With `burst_bytes` the link is a token bucket (`tc ... tbf rate R burst
+  B`) and inferences run back to back: a layer's bytes up to the burst
+  pass at once, only those beyond it at `bytes_per_second`; and no
+  inference passes more bytes than the rate allows over its time, so the
+  latency is at least a link's bytes at the rate. Without it (a wire)
+  every byte goes at `bytes_per_second`.
 
   Example:
     >>> from flax import nnx
@@ -337,37 +373,48 @@ class LatencyModel:
   Args:
     flops_per_second: compute rate of one node.
     bytes_per_second: bandwidth of a node's link.
-    message_latency: seconds added per message.
+    message_latency: seconds added per collective call.
     shared: the nodes share one link of `bytes_per_second`.
+    burst_bytes: the burst of a token-bucket link; None: a wire.
   """
 
   flops_per_second: float
   bytes_per_second: float
   message_latency: float
   shared: bool = False
+  burst_bytes: float | None = None
 
   def __post_init__(self):
     # Rates of 0 divided by zero; negative ones gave negative latencies.
     for name in ("flops_per_second", "bytes_per_second"):
       require_number(name, getattr(self, name), True, MetricsError)
     require_number("message_latency", self.message_latency, False, MetricsError)
+    if self.burst_bytes is not None:
+      require_number("burst_bytes", self.burst_bytes, False, MetricsError)
 
   def layer_times(self, report: CostReport) -> list[tuple[float, float]]:
     """(compute seconds, communication seconds) per layer."""
     times = []
     for layer in report.layers:
       compute = max(layer.flops) / self.flops_per_second
-      sends = [
-        sum(1 for b in row if b) * self.message_latency
-        + sum(row) / self.bytes_per_second
-        for row in layer.traffic
-      ]
-      times.append((compute, sum(sends) if self.shared else max(sends)))
+      sends = [sum(row) for row in layer.traffic]
+      sent = sum(sends) if self.shared else max(sends)
+      if self.burst_bytes is not None:
+        sent = max(0, sent - self.burst_bytes)
+      calls = layer.calls * self.message_latency
+      times.append((compute, calls + sent / self.bytes_per_second))
     return times
 
   def latency(self, report: CostReport) -> float:
     """Seconds per inference on the nodes."""
-    return float(sum(c + s for c, s in self.layer_times(report)))
+    seconds = float(sum(c + s for c, s in self.layer_times(report)))
+    if self.burst_bytes is None:
+      return seconds
+    senders = np.sum(
+      [np.sum(layer.traffic, axis=1) for layer in report.layers], 0
+    )
+    link_bytes = float(np.sum(senders) if self.shared else np.max(senders))
+    return max(seconds, link_bytes / self.bytes_per_second)
 
   def single_device_latency(self, report: CostReport) -> float:
     """Seconds per inference of the same FLOPs on one device."""

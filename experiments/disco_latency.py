@@ -18,9 +18,14 @@ of dense channel parallelism and of DISCO, and of the model on one device
 (node 0's process, after the other has finished). Beside each, the
 `disco.metrics.LatencyModel` prediction for the same link: compute rate
 calibrated on the one-device time, `shared=True` because both nodes'
-traffic passes the one throttled loopback. `results.json` has `links`, one
-row per (rate, model, batch). Without permission for `unshare --net` and
-`tc` (root or CAP_NET_ADMIN) it says so and exits.
+traffic passes the one throttled loopback, and the cost of one collective
+call and the bandwidth fitted on the link itself (`fit_link`: ppermute
+calls of 64 B to 256 KB timed before the models, least squares). The
+processes are pinned while JAX sizes its thread pools, then released
+(`common.release_threads`): pinned, the threads that wait on collectives
+queue behind the compute thread. `results.json` has `links`, one row per
+(rate, model, batch). Without permission for `unshare --net` and `tc`
+(root or CAP_NET_ADMIN) it says so and exits.
 """
 
 import json
@@ -88,7 +93,10 @@ def define_flags() -> None:
     upper_bound=1,
   )
   flags.DEFINE_float(
-    "message_latency", 1e-4, "Model: seconds per message.", lower_bound=0
+    "message_latency",
+    None,
+    "Model: seconds per collective call (default: fitted on the link).",
+    lower_bound=0,
   )
   flags.DEFINE_enum("role", "main", ["main", "link", "node"], "Internal.")
   common.define_flags()
@@ -128,10 +136,14 @@ def _node(settings: dict) -> None:
 
   initialize_from_env()
   import jax
+  import jax.numpy as jnp
 
   from disco import distributed
 
+  jnp.zeros(1).block_until_ready()  # the client and its pools exist
+  common.release_threads()
   mesh = distributed.node_mesh(2)
+  link = _time_link(mesh, settings["repeats"])
   rows = []
   for name in settings["models"]:
     for batch in timed_batches(settings["batch"]):
@@ -162,18 +174,109 @@ def _node(settings: dict) -> None:
       row["one_device_ms"] = _median_ms(
         lambda x, f=forward, s=state: f(s, x), placed, settings["repeats"]
       )
-    print(RESULT + json.dumps(rows), flush=True)
+    print(RESULT + json.dumps({"rows": rows, "link": link}), flush=True)
+
+
+LINK_SIZES = (64, 1024, 4096, 16384, 65536, 262144)
+BURST_BYTES = 64 * 1024  # the token bucket's burst (namespace_command)
+
+
+def _time_link(mesh, repeats: int) -> list[list[float]]:
+  """[bytes both nodes send, median seconds, 10th-percentile seconds] of
+  one ppermute call in which each node sends the other `size` bytes, for
+  each of LINK_SIZES."""
+  import jax
+  from jax import lax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from disco.exchange import AXIS
+
+  swap = jax.jit(
+    jax.shard_map(
+      lambda x: lax.ppermute(x, AXIS, [(0, 1), (1, 0)]),
+      mesh=mesh,
+      in_specs=P(AXIS),
+      out_specs=P(AXIS),
+    )
+  )
+  warm = jax.make_array_from_callback(
+    (2,), NamedSharding(mesh, P(AXIS)), lambda _: np.ones(1, np.float32)
+  )
+  for _ in range(200):  # the first calls of a run take ms
+    swap(warm).block_until_ready()
+  points = []
+  for size in LINK_SIZES:
+    n = size // 4
+    x = jax.make_array_from_callback(
+      (2 * n,),
+      NamedSharding(mesh, P(AXIS)),
+      lambda _, n=n: np.ones(n, np.float32),
+    )
+    seconds = _times(swap, x, max(repeats, 20))
+    points.append([2 * size, *np.percentile(seconds, [50, 10]).tolist()])
+  return points
+
+
+def fit_link(points) -> dict:
+  """The cost of one collective call and the bandwidth, fitted on timed
+  calls: seconds = call + bytes / bandwidth.
+
+  The call's cost is the quickest of the calls within the burst (the
+  token bucket lets its 64 KB through at once, so they cost the same
+  whatever their bytes, and a straight line through every size would put
+  their cost on the bandwidth), each size by its 10th percentile when
+  given: in some runs every small call of a size stalled for one 4 ms
+  timer tick (median 4.0 ms, 0.25-0.4 ms in other runs and inside the
+  models' programs). The bandwidth is then fitted by least squares on the
+  medians of the calls above the burst, beyond the call's cost.
+
+  Example:
+    >>> small = [[b, 2e-4] for b in (128, 2048)]  # within the burst
+    >>> large = [[b, 2e-4 + b / 12.5e6] for b in (2**17, 2**19)]
+    >>> fit = fit_link(small + large)
+    >>> round(fit["message_latency"], 6), round(fit["bytes_per_second"])
+    (0.0002, 12500000)
+
+  Args:
+    points: [bytes sent, median seconds(, quick seconds)] per timed size.
+  """
+  points = [list(point) for point in points]
+  sizes = np.asarray([point[0] for point in points], float)
+  seconds = np.asarray([point[1] for point in points], float)
+  quick = np.asarray([point[-1] for point in points], float)
+  small, large = sizes <= BURST_BYTES, sizes > BURST_BYTES
+  if not small.any():
+    raise ValueError(f"no timed call within {BURST_BYTES} bytes: {points}")
+  call = float(min(quick[small]))
+  if not large.any():
+    raise ValueError(f"no timed call above {BURST_BYTES} bytes: {points}")
+  extra = seconds[large] - call
+  per_byte = float(
+    np.dot(extra, sizes[large]) / np.dot(sizes[large], sizes[large])
+  )
+  if not per_byte > 0:
+    raise ValueError(
+      "the link fit has no positive slope: the timed calls above the burst "
+      f"took no longer than the smallest ones: {points}"
+    )
+  return {"message_latency": call, "bytes_per_second": 1 / per_byte}
 
 
 def _median_ms(call, placed, repeats: int) -> float:
-  for _ in range(2):  # compile, warm up
+  return 1e3 * float(np.median(_times(call, placed, repeats)))
+
+
+def _times(call, placed, repeats: int) -> list[float]:
+  """Seconds of `repeats` calls, after a compiling and a warm-up call."""
+  for _ in range(2):
     call(placed).block_until_ready()
   times = []
   for _ in range(repeats):
     begin = time.perf_counter()
     call(placed).block_until_ready()
     times.append(time.perf_counter() - begin)
-  return 1e3 * float(np.median(times))
+  return times
 
 
 def _link(settings: dict) -> None:
@@ -201,7 +304,8 @@ def namespace_command(rate_mbit: float, command: str) -> list[str]:
   """
   setup = (
     "ip link set lo mtu 1500 && ip link set lo up && "
-    f"tc qdisc add dev lo root tbf rate {rate_mbit:g}mbit burst 64kb "
+    f"tc qdisc add dev lo root tbf rate {rate_mbit:g}mbit "
+    f"burst {BURST_BYTES // 1024}kb "
     "latency 50ms"
   )
   return ["unshare", "--net", "sh", "-c", f"{setup} && {command}"]
@@ -220,15 +324,20 @@ def check_link_permitted() -> str | None:
   return None
 
 
-def predict(row: dict, rate_mbit: float, settings: dict) -> dict:
+def predict(row: dict, link: dict, settings: dict) -> dict:
   """The latency model's dense and DISCO milliseconds for `row`'s link.
 
   Example:
     >>> row = {"model": "resnet", "batch": 1, "one_device_ms": 1.0}
-    >>> settings = {"comm_ratio": 0.2, "message_latency": 1e-4}
-    >>> p = predict(row, 100, settings)
+    >>> link = {"message_latency": 2e-4, "bytes_per_second": 12.5e6}
+    >>> p = predict(row, link, {"comm_ratio": 0.2, "message_latency": None})
     >>> p["predicted_disco_ms"] < p["predicted_dense_ms"]
     True
+
+  Args:
+    row: a timed row (model, batch, one_device_ms).
+    link: `fit_link`'s figures for the link.
+    settings: comm_ratio; message_latency (None: the fitted one).
   """
   from disco import metrics
 
@@ -240,16 +349,21 @@ def predict(row: dict, rate_mbit: float, settings: dict) -> dict:
     return metrics.count(model, input_shape=shape)
 
   dense, disco = report(True), report(None)
-  link = metrics.LatencyModel(
-    flops_per_second=dense.flops / (row["one_device_ms"] / 1e3),
-    bytes_per_second=rate_mbit * 1e6 / 8,
-    message_latency=settings["message_latency"],
-    shared=True,
-  )
-  return {
-    "predicted_dense_ms": 1e3 * link.latency(dense),
-    "predicted_disco_ms": 1e3 * link.latency(disco),
-  }
+  message_latency = settings["message_latency"]
+  figures = {}
+  for prefix, burst in (("predicted", BURST_BYTES), ("wire", None)):
+    model = metrics.LatencyModel(
+      flops_per_second=dense.flops / (row["one_device_ms"] / 1e3),
+      bytes_per_second=link["bytes_per_second"],
+      message_latency=link["message_latency"]
+      if message_latency is None
+      else message_latency,
+      shared=True,
+      burst_bytes=burst,
+    )
+    figures[f"{prefix}_dense_ms"] = 1e3 * model.latency(dense)
+    figures[f"{prefix}_disco_ms"] = 1e3 * model.latency(disco)
+  return figures
 
 
 def main(argv):
@@ -276,14 +390,14 @@ def main(argv):
       f"{why}"
     )
   started = time.perf_counter()
-  links = []
+  links, fitted = [], []
   rates = [float(r) for r in f.rates.split(",")]
   progress = common.Progress(len(rates), "link rate")
   for rate in rates:
     command = (
       f"{sys.executable} -m experiments.disco_latency --role=link "
       f"--models={f.models} --batch={f.batch} --repeats={f.repeats} "
-      f"--comm_ratio={f.comm_ratio} --message_latency={f.message_latency}"
+      f"--comm_ratio={f.comm_ratio}"
     )
     done = subprocess.run(
       namespace_command(rate, command),
@@ -298,9 +412,20 @@ def main(argv):
         f"disco_latency: error: the run at {rate:g} Mbit/s failed:\n"
         f"{(done.stdout + done.stderr)[-3000:]}"
       )
-    for row in json.loads(lines[-1][len(RESULT) :]):
-      row = {"rate_mbit": rate, **row, **predict(row, rate, settings)}
+    result = json.loads(lines[-1][len(RESULT) :])
+    fit = fit_link(result["link"])
+    fitted.append({"rate_mbit": rate, **fit, "timed": result["link"]})
+    common.log(
+      f"{rate:g} Mbit/s link: {1e3 * fit['message_latency']:.3f} ms per "
+      f"call, {8 * fit['bytes_per_second'] / 1e6:.0f} Mbit/s fitted"
+    )
+    for row in result["rows"]:
+      row = {"rate_mbit": rate, **row, **predict(row, fit, settings)}
       row["dense_over_disco"] = row["dense_ms"] / row["disco_ms"]
+      for variant in ("dense", "disco"):
+        row[f"{variant}_over_model"] = (
+          row[f"{variant}_ms"] / row[f"predicted_{variant}_ms"]
+        )
       links.append(row)
       common.log(
         f"{rate:g} Mbit/s {row['model']} batch {row['batch']}: one device "
@@ -311,11 +436,19 @@ def main(argv):
     progress.step(f"{rate:g} Mbit/s")
   results = {
     "links": links,
+    "link_fits": fitted,
     "settings": settings,
     "definitions": {
       "*_ms": "median milliseconds of one call (the whole batch)",
-      "predicted_*": "disco.metrics.LatencyModel, shared link at rate_mbit, "
-      "compute rate calibrated on one_device_ms",
+      "predicted_*": "disco.metrics.LatencyModel of the link: a token "
+      "bucket (burst 64 KB) shared by both nodes, call cost and bandwidth "
+      "from link_fits (message_latency when set), compute rate calibrated "
+      "on one_device_ms",
+      "wire_*": "the same model on a wire (every byte at the rate, no burst)",
+      "*_over_model": "measured / predicted",
+      "link_fits": "per rate: seconds per ppermute call (message_latency) "
+      "and bytes_per_second fitted on timed calls [bytes both nodes send, "
+      "median seconds, 10th-percentile seconds]",
       "*_bytes": "bytes the compiled program sends per call",
     },
     "wall_seconds": round(time.perf_counter() - started, 1),

@@ -167,3 +167,52 @@ def test_a_batch_counts_its_inferences(kind):
     model, input_shape=(5, c.image_size, c.image_size, c.in_channels)
   )
   assert many.flops == 5 * one.flops and many.bytes_sent == 5 * one.bytes_sent
+
+
+@pytest.mark.parametrize("num_nodes, ratio", [(2, 0.2), (4, 0.1), (4, 1.0)])
+def test_calls_are_the_compiled_programs_collectives(num_nodes, ratio):
+  # The latency model charges one message cost per collective call: its
+  # count must be what the program really issues, at 2 and 4 nodes,
+  # masked (pairs of unequal lengths: one call each) and dense.
+  from disco import distributed, hlo_bytes
+
+  model = ResNet(ResNetConfig(num_nodes=num_nodes), rngs=nnx.Rngs(0))
+  prune.to_ratio(model, ratio, selection="random", seed=1)
+  model.eval()
+  report = metrics.count(model)
+  run = distributed.distribute(model, distributed.node_mesh(num_nodes))
+  text = run.compiled(1).as_text()
+  collectives = hlo_bytes.collective_bytes(text)
+  assert {c.kind for c in collectives} == {"collective-permute"}
+  assert sum(layer.calls for layer in report.layers) == len(collectives)
+  # Calls beyond one per shift: pairs of one shift but unequal lengths.
+  split = sum(layer.calls - _shifts(layer) for layer in report.layers)
+  assert (split > 0) == (ratio < 1)
+
+
+def _shifts(layer):
+  nodes = len(layer.traffic)
+  return len(
+    {
+      (j - i) % nodes
+      for i in range(nodes)
+      for j in range(nodes)
+      if layer.traffic[i][j]
+    }
+  )
+
+
+def test_token_bucket_link_passes_the_burst_and_bounds_by_the_rate():
+  report = metrics.count(_two_layers(False), input_shape=(1, 5, 5, 4))
+  compute = (5400 + 24) / 1e6  # every node reads all inputs
+  calls = 3 * 0.5  # conv, dense, the logits gathered: one call each
+  wire = metrics.LatencyModel(1e6, 1e3, 0.5, shared=True)
+  assert wire.latency(report) == pytest.approx(compute + calls + 432 / 1e3)
+  # A 300-byte burst: only the conv's 400 bytes exceed it, by 100.
+  bucket = metrics.LatencyModel(1e6, 1e3, 0.5, shared=True, burst_bytes=300)
+  assert bucket.latency(report) == pytest.approx(compute + calls + 100 / 1e3)
+  # At a slow rate the bytes bound a run of back-to-back inferences.
+  slow = metrics.LatencyModel(1e6, 10.0, 0.5, shared=True, burst_bytes=1e6)
+  assert slow.latency(report) == pytest.approx(432 / 10.0)
+  with pytest.raises(DiscoError, match="burst_bytes must be a finite"):
+    metrics.LatencyModel(1e6, 1e3, 0.5, burst_bytes=-1)

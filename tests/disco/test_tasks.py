@@ -157,13 +157,17 @@ def test_quality_metrics():
   assert 15 < baseline["psnr"] < 40 and 0 < baseline["ssim"] < 1
 
 
+def _link(mbit, call_seconds):
+  return {"bytes_per_second": mbit * 1e6 / 8, "message_latency": call_seconds}
+
+
 def test_latency_prediction_on_a_shared_link():
   from experiments import disco_latency
 
-  settings = {"comm_ratio": 0.2, "message_latency": 1e-4}
+  settings = {"comm_ratio": 0.2, "message_latency": None}
   row = {"model": "resnet", "batch": 64, "one_device_ms": 5.0}
-  slow = disco_latency.predict(row, 100, settings)
-  fast = disco_latency.predict(row, 10000, settings)
+  slow = disco_latency.predict(row, _link(100, 2e-4), settings)
+  fast = disco_latency.predict(row, _link(10000, 2e-4), settings)
   assert slow["predicted_disco_ms"] < slow["predicted_dense_ms"]
   assert fast["predicted_dense_ms"] < slow["predicted_dense_ms"]
   # On a shared link both nodes' bytes queue on one bucket: slower than
@@ -176,6 +180,31 @@ def test_latency_prediction_on_a_shared_link():
   assert disco_latency.namespace_command(100, "true")[-1].endswith("&& true")
   assert disco_latency.timed_batches(1) == [1]
   assert disco_latency.timed_batches(64) == [1, 64]
+
+
+def test_link_fit_takes_the_call_cost_from_small_calls():
+  from experiments import disco_latency
+
+  # Below the 64 KB burst a call costs its fixed part whatever its bytes
+  # (the bucket lets them through): a straight line through every point
+  # would have put that on the bandwidth. A slow warm-up-like outlier
+  # among them is ignored.
+  call, rate = 2.5e-4, 12.5e6
+  points = [[128, 3e-3], [2048, 2e-3], [8192, call], [32768, 3e-4]]
+  points += [[b, call + b / rate] for b in (131072, 524288)]
+  fit = disco_latency.fit_link(points)
+  assert fit["message_latency"] == pytest.approx(call)
+  assert fit["bytes_per_second"] == pytest.approx(rate)
+  # [bytes, median, 10th percentile]: the cost from the quick column, the
+  # bandwidth from the medians.
+  stalled = [[b, 4e-3 if b < 2**16 else t, t] for b, t in points]
+  assert disco_latency.fit_link(stalled) == pytest.approx(fit)
+  with pytest.raises(ValueError, match="no timed call above"):
+    disco_latency.fit_link(points[:4])
+  with pytest.raises(ValueError, match="no timed call within"):
+    disco_latency.fit_link(points[4:])
+  with pytest.raises(ValueError, match="no positive slope"):
+    disco_latency.fit_link([[128, 1e-3], [2048, 1e-3], [2**17, 1e-3]])
 
 
 @pytest.mark.parametrize("size", [20])
