@@ -15,6 +15,14 @@ same fraction (the per-layer budget).
   over training batches (an exponential average over about one epoch;
   Molchanov et al., 2019, on gates instead of filters). `train.fit`
   accumulates it during a schedule that selects by saliency.
+  "gates" learns one hard-concrete gate per group (Louizos et al., 2018)
+  while the pruning schedule runs: the group's weight columns are scaled
+  by a stochastic gate in [0, 1] whose log-odds log_alpha are trained with
+  the weights, under a penalty on the expected fraction of open gates
+  (`HardConcreteGates`); each pruning keeps the groups of largest
+  log_alpha, and when the schedule ends each kept group's deterministic
+  gate is folded into its weights (`fold_gates`), so the model that
+  leaves training is masks and weights only.
   "magnitude" is the L2 norm of the group's weight column, over all layers
   sharing the mask; "random" is a fixed random number per group (the
   baseline, at the same r).
@@ -40,10 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from disco.errors import PruneError, require_int
+from disco.errors import PruneError, require_int, require_number
 from disco.layers import CommMask, DiscoLayer, require_concrete_masks
 
-SELECTIONS = ("saliency", "magnitude", "random")
+SELECTIONS = ("saliency", "gates", "magnitude", "random")
 BUDGETS = ("layer", "global")
 
 
@@ -182,6 +190,7 @@ def to_ratio(
   selection: str = "magnitude",
   seed: int = 0,
   saliency=None,
+  gates=None,
 ) -> None:
   """Sets the masks in place to keep the best `comm_ratio` of the groups.
 
@@ -198,16 +207,18 @@ def to_ratio(
     comm_ratio: target fraction of channel groups kept, in [0, 1].
     budget: "layer" (the fraction in every mask) or "global" (over the
       model).
-    selection: "saliency", "magnitude" or "random".
+    selection: "saliency", "gates", "magnitude" or "random".
     seed: seed of the random scores.
     saliency: with selection "saliency", the scores: one (nodes, channels)
       array per mask group in `mask_groups` order (what `train.fit`
       accumulates, `SaliencyMeter`).
+    gates: with selection "gates", the gates' log_alpha, shaped like
+      `saliency` (what `train.fit` learns, `HardConcreteGates`).
 
   Raises:
     PruneError: a ratio outside [0, 1], an unknown option, a target that
-      would keep a group already dropped, saliency selection without
-      scores of the model's shapes, or scores (weights for magnitude
+      would keep a group already dropped, saliency or gates selection
+      without scores of the model's shapes, or scores (weights for magnitude
       selection) that are not finite.
   """
   comm_ratio = check_ratio(comm_ratio)
@@ -218,7 +229,7 @@ def to_ratio(
       f"{type(model).__name__} has no DISCO layers: there is nothing to prune"
     )
   groups = mask_groups(model)
-  given = _check_saliency(groups, selection, saliency)
+  given = _check_measured(groups, selection, saliency, gates)
   scores = [
     _scores(g, index, selection, seed, given) for index, g in enumerate(groups)
   ]
@@ -301,8 +312,13 @@ class GradualSchedule:
     steps: training steps from the first to the last pruning.
     every: training steps between prunings.
     budget: "layer" or "global" (see `to_ratio`).
-    selection: "saliency", "magnitude" or "random"; saliency needs the
-      scores `train.fit` accumulates (`apply`'s `saliency`).
+    selection: "saliency", "gates", "magnitude" or "random"; saliency and
+      gates need the scores `train.fit` measures (`apply`'s `saliency` or
+      `gates`).
+    gate_penalty: with selection "gates", the weight of the expected
+      fraction of open gates in the loss (`HardConcreteGates`).
+    gate_learning_rate: with selection "gates", Adam's learning rate of
+      the gates' log_alpha.
     seed: seed of the random scores.
   """
 
@@ -312,9 +328,15 @@ class GradualSchedule:
   budget: str = "layer"
   selection: str = "magnitude"
   seed: int = 0
+  gate_penalty: float = 1.0
+  gate_learning_rate: float = 0.05
 
   def __post_init__(self):
     object.__setattr__(self, "target_ratio", check_ratio(self.target_ratio))
+    require_number("gate_penalty", self.gate_penalty, error=PruneError)
+    require_number(
+      "gate_learning_rate", self.gate_learning_rate, True, PruneError
+    )
     require_int("seed", self.seed, 0, PruneError)
     # A fractional `steps` was taken and `due` never met the last step: the
     # schedule stopped short of its target without a word.
@@ -333,8 +355,11 @@ class GradualSchedule:
       step % self.every == 0 or step == self.steps
     )
 
-  def apply(self, model: nnx.Module, step: int, saliency=None) -> None:
-    """Prunes `model` to `ratio_at(step)` (`saliency`: see `to_ratio`)."""
+  def apply(
+    self, model: nnx.Module, step: int, saliency=None, gates=None
+  ) -> None:
+    """Prunes `model` to `ratio_at(step)` (`saliency`, `gates`: see
+    `to_ratio`)."""
     to_ratio(
       model,
       self.ratio_at(step),
@@ -342,6 +367,7 @@ class GradualSchedule:
       selection=self.selection,
       seed=self.seed,
       saliency=saliency,
+      gates=gates,
     )
 
 
@@ -391,6 +417,106 @@ class SaliencyMeter:
     return [0.5 * np.asarray(a, np.float64) for a in average]
 
 
+class HardConcreteGates:
+  """One hard-concrete gate per channel group (Louizos et al., 2018).
+
+  A gate with log-odds log_alpha is z = min(1, max(0, s (zeta - gamma) +
+  gamma)), s = sigmoid((logit(u) + log_alpha) / beta), u ~ U(0, 1): it is
+  exactly 0 or 1 with positive probability and differentiable in
+  log_alpha between. `gated` scales each group's weight columns by its
+  gate (the bits that are not groups by 1), the same columns
+  `gate_gradients` differentiates by; `open_fraction` is the expected
+  fraction of kept groups whose gate is not 0, over all the model's
+  groups, which training adds to the loss times `GradualSchedule`'s
+  `gate_penalty`. All traceable, except `fold`.
+
+  Example:
+    >>> from flax import nnx
+    >>> from disco.layers import DiscoDense
+    >>> layer = DiscoDense(4, 4, num_nodes=2, rngs=nnx.Rngs(0))
+    >>> gates = HardConcreteGates.init([g.cross for g in mask_groups(layer)])
+    >>> round(float(HardConcreteGates.open_fraction(layer, gates)), 3)
+    0.99
+    >>> z = HardConcreteGates.deterministic(jnp.asarray([-9.0, 0.0, 9.0]))
+    >>> [round(float(v), 3) for v in z]
+    [0.0, 0.5, 1.0]
+  """
+
+  BETA = 2.0 / 3.0
+  GAMMA = -0.1
+  ZETA = 1.1
+  # Open at the start (a kept gate is exactly 1 with probability 0.80,
+  # mean 0.91): pruning starts from a trained dense model.
+  INITIAL_LOG_ALPHA = 3.0
+
+  @classmethod
+  def init(cls, crosses) -> list[jax.Array]:
+    """Starting log_alpha, one (nodes, channels) array per mask group."""
+    return [
+      jnp.full(np.shape(c), cls.INITIAL_LOG_ALPHA, jnp.float32) for c in crosses
+    ]
+
+  @classmethod
+  def sample(cls, log_alphas, key) -> list[jax.Array]:
+    """One gate draw per group."""
+    out = []
+    for index, log_alpha in enumerate(log_alphas):
+      u = jax.random.uniform(
+        jax.random.fold_in(key, index),
+        log_alpha.shape,
+        minval=1e-6,
+        maxval=1.0 - 1e-6,
+      )
+      s = jax.nn.sigmoid((jnp.log(u) - jnp.log1p(-u) + log_alpha) / cls.BETA)
+      out.append(jnp.clip(s * (cls.ZETA - cls.GAMMA) + cls.GAMMA, 0.0, 1.0))
+    return out
+
+  @classmethod
+  def deterministic(cls, log_alpha):
+    """The gate at test time: min(1, max(0, sigmoid(log_alpha) (zeta -
+    gamma) + gamma))."""
+    s = jax.nn.sigmoid(log_alpha)
+    return jnp.clip(s * (cls.ZETA - cls.GAMMA) + cls.GAMMA, 0.0, 1.0)
+
+  @classmethod
+  def open_probability(cls, log_alpha):
+    """P(z != 0) of each gate."""
+    return jax.nn.sigmoid(log_alpha - cls.BETA * np.log(-cls.GAMMA / cls.ZETA))
+
+  @classmethod
+  def open_fraction(cls, model: nnx.Module, log_alphas) -> jax.Array:
+    """Expected number of open gates among the kept groups of `model`,
+    over all its groups (traceable: the masks may be traced)."""
+    groups = mask_groups(model)
+    total = sum(int(g.cross.sum()) for g in groups)
+    opened = sum(
+      jnp.sum(cls.open_probability(a) * (g.mask[...] & g.cross))
+      for g, a in zip(groups, log_alphas, strict=True)
+    )
+    return opened / max(total, 1)
+
+  @staticmethod
+  def gated(model: nnx.Module, gates) -> None:
+    """Scales, in place, every group's weight columns in `model` by its
+    gate in `gates` (one (nodes, channels) array per mask group; the bits
+    that are not groups are left alone). Traceable: `train.fit` calls it
+    on the model it merges inside its step."""
+    for group, gate in zip(mask_groups(model), gates, strict=True):
+      factor = jnp.where(group.cross, gate, 1.0)
+      for layer in group.layers:
+        column = factor[layer.out_split.owner()].T
+        layer.kernel[...] = layer.kernel[...] * column.astype(
+          layer.kernel.dtype
+        )
+
+  @classmethod
+  def fold(cls, model: nnx.Module, log_alphas) -> None:
+    """Multiplies, in place, every kept group's weight columns by its
+    deterministic gate: the model then computes what the gated model
+    computes at test time, with masks and weights only."""
+    cls.gated(model, [cls.deterministic(a) for a in log_alphas])
+
+
 def group_norm_penalty(model: nnx.Module) -> jax.Array:
   """Sum of the L2 norms of the kept channel groups' weight columns.
 
@@ -411,43 +537,52 @@ def group_norm_penalty(model: nnx.Module) -> jax.Array:
   return total
 
 
-def _check_saliency(groups, selection, saliency):
-  """`saliency` as host arrays; PruneError where selection is "saliency"
-  and they are missing or not one array of each mask's shape."""
-  if selection != "saliency":
-    if saliency is not None:
+def _check_measured(groups, selection, saliency, gates):
+  """The measured scores of `selection` ("saliency" or "gates") as host
+  arrays, None for the others; PruneError where they are missing, given
+  to a selection that does not read them, or not one array of each mask's
+  shape."""
+  given = {"saliency": saliency, "gates": gates}
+  for name, value in given.items():
+    if value is not None and selection != name:
       raise PruneError(
-        f"saliency scores were given to selection {selection!r}, which does "
-        "not read them: pass selection='saliency'"
+        f"{name} scores were given to selection {selection!r}, which does "
+        f"not read them: pass selection={name!r}"
       )
+  if selection not in given:
     return None
-  if saliency is None:
-    raise PruneError(
-      "selection 'saliency' ranks channel groups by the loss change "
-      "measured while training: prune with train.fit and a "
-      "GradualSchedule(selection='saliency'), or pass the scores "
-      "(saliency=, one (nodes, channels) array per mask group)"
+  if given[selection] is None:
+    measured = (
+      "the loss change measured while training"
+      if selection == "saliency"
+      else "gates learned while training"
     )
-  scores = [np.asarray(s, np.float64) for s in saliency]
+    raise PruneError(
+      f"selection {selection!r} ranks channel groups by {measured}: prune "
+      f"with train.fit and a GradualSchedule(selection={selection!r}), or "
+      f"pass the scores ({selection}=, one (nodes, channels) array per mask "
+      "group)"
+    )
+  scores = [np.asarray(s, np.float64) for s in given[selection]]
   shapes = [g.cross.shape for g in groups]
   if [s.shape for s in scores] != shapes:
     raise PruneError(
-      f"saliency scores of shapes {[s.shape for s in scores]} for mask "
+      f"{selection} scores of shapes {[s.shape for s in scores]} for mask "
       f"groups of shapes {shapes}: they were measured on another model"
     )
   return scores
 
 
-def _scores(group, index, selection, seed, saliency):
+def _scores(group, index, selection, seed, measured):
   if selection == "random":
     # One fixed number per group, so a gradual schedule drops a fixed order.
     return np.random.default_rng([seed, index]).random(group.cross.shape)
-  if selection == "saliency":
-    score = saliency[index]
+  if selection in ("saliency", "gates"):
+    score = measured[index]
     if not np.all(np.isfinite(score[group.cross])):
       raise PruneError(
-        f"the saliency of mask group {index} (of "
-        f"{type(group.layers[0]).__name__} layers) holds NaN or inf: the "
+        f"the {selection} scores of mask group {index} (of "
+        f"{type(group.layers[0]).__name__} layers) hold NaN or inf: the "
         "training that measured it diverged (a learning rate too high, "
         "non-finite inputs)"
       )

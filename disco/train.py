@@ -10,9 +10,12 @@ from dense training to fine-tuning never recompile::
     for each epoch, for each shuffled batch:
       params, rest = step(params, masks, rest, batch, lr(step), ...)
       (saliency selection: the step also moves the average of the squared
-       gate derivatives, prune.SaliencyMeter)
+       gate derivatives, prune.SaliencyMeter; gates selection: the step
+       scales the groups' columns by sampled hard-concrete gates and
+       trains their log_alpha with the weights, prune.HardConcreteGates)
       if the schedule prunes after this step:      # host side, rare
         write params back, prune to r(step), read the masks again
+        (gates: at its last pruning the gates are folded into the weights)
     write everything back; the model is left in eval mode
 """
 
@@ -100,7 +103,9 @@ def fit(
       step the masks stay fixed (fine-tuning). With selection "saliency"
       the steps while it prunes also measure each channel group's saliency
       (`prune.SaliencyMeter`, over about one epoch of batches), which each
-      pruning ranks by.
+      pruning ranks by; with selection "gates" they train one
+      hard-concrete gate per group (`prune.HardConcreteGates`), which
+      each pruning ranks by, folded into the weights at the last.
     progress: called with one line of text per epoch.
     loss: (model outputs, a batch of `labels`) -> mean loss, a function
       jit can treat as static (default: `classification_loss`). `labels`
@@ -156,6 +161,15 @@ def fit(
   if schedule is not None and schedule.selection == "saliency":
     meter = prune.SaliencyMeter(horizon=steps_per_epoch)
     average = meter.zeros([g.cross for g in prune.mask_groups(model)])
+  # Gates selection: the gates' log_alpha and their Adam state, trained
+  # while the schedule prunes.
+  gates = None
+  if schedule is not None and schedule.selection == "gates":
+    log_alphas = prune.HardConcreteGates.init(
+      [g.cross for g in prune.mask_groups(model)]
+    )
+    gates = (log_alphas, optax.adam(0.0).init(log_alphas))
+    gate_key = jax.random.key(seed)
   for epoch in range(config.epochs):
     start = time.perf_counter()
     order = rng.permutation(len(images))
@@ -163,8 +177,16 @@ def fit(
     for batch in range(steps_per_epoch):
       pruning = schedule is not None and step < schedule.steps
       measuring = pruning and meter is not None
+      gating = None
+      if pruning and gates is not None:
+        gating = (
+          *gates,
+          jax.random.fold_in(gate_key, step),
+          schedule.gate_penalty,
+          schedule.gate_learning_rate,
+        )
       index = order[batch * config.batch_size : (batch + 1) * config.batch_size]
-      params, rest, opt_state, loss, average = _train_step(
+      params, rest, opt_state, loss, average, gated = _train_step(
         graphdef,
         params,
         masks,
@@ -178,13 +200,25 @@ def fit(
         loss_of,
         meter.decay if measuring else None,
         average if measuring else None,
+        gating,
       )
+      if gated is not None:
+        gates = gated
       epoch_loss = epoch_loss + loss
       step += 1
       if schedule is not None and schedule.due(step):
         nnx.update(model, params, rest)
         scores = None if meter is None else meter.scores(average)
-        schedule.apply(model, step, saliency=scores)
+        learned = None
+        if gates is not None:
+          learned = [np.asarray(a, np.float64) for a in gates[0]]
+        schedule.apply(model, step, saliency=scores, gates=learned)
+        if gates is not None and step == schedule.steps:
+          # The last pruning: the kept groups' test-time gates go into
+          # their weights, and training goes on without gates.
+          prune.HardConcreteGates.fold(model, gates[0])
+          params = nnx.state(model, nnx.Param)
+          gates = None
         masks = nnx.state(model, CommMask)
     losses.append(float(epoch_loss) / steps_per_epoch)
     if progress is not None:
@@ -285,26 +319,41 @@ def _train_step(
   loss_of,
   decay,
   average,
+  gating,
 ):
   """One AdamW step; with a saliency `average` (and its `decay`), also the
   average moved by this batch's squared gate derivatives of the task loss
-  (`prune.SaliencyMeter`); None otherwise."""
+  (`prune.SaliencyMeter`); None otherwise. With `gating` (log_alphas,
+  their Adam state, a key, the penalty weight, their learning rate), the
+  forward pass runs with sampled hard-concrete gates on the groups and
+  the gates take an Adam step too: (log_alphas, state) is returned, None
+  otherwise."""
 
   def penalty_of(params):
     return prune.group_norm_penalty(
       nnx.merge(graphdef, params, masks, rest, copy=True)
     )
 
-  def loss_fn(params):
+  def loss_fn(params, log_alphas):
     # copy=True: the batch statistics are updated inside this trace.
     model = nnx.merge(graphdef, params, masks, rest, copy=True)
+    penalty = group_lasso * penalty_of(params)
+    if log_alphas is not None:
+      gates = prune.HardConcreteGates
+      penalty = penalty + gating[3] * gates.open_fraction(model, log_alphas)
+      gates.gated(model, gates.sample(log_alphas, gating[2]))
     loss = loss_of(model(images), labels)
     *_, new_rest = nnx.split(model, nnx.Param, CommMask, ...)
-    return loss + group_lasso * penalty_of(params), (loss, new_rest)
+    return loss + penalty, (loss, new_rest)
 
-  (_, (loss, new_rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-    params
-  )
+  log_alphas = None if gating is None else gating[0]
+  (_, (loss, new_rest)), (grads, gate_grads) = jax.value_and_grad(
+    loss_fn, argnums=(0, 1), has_aux=True
+  )(params, log_alphas)
+  gated = None
+  if gating is not None:
+    updates, gate_state = optax.adam(gating[4]).update(gate_grads, gating[1])
+    gated = (optax.apply_updates(log_alphas, updates), gate_state)
   if average is not None:
     # The task loss's gradients: the group-lasso term's taken out (it has
     # no data in it, so its gradient costs no forward pass).
@@ -318,7 +367,7 @@ def _train_step(
   optimizer = optax.adamw(learning_rate, weight_decay=weight_decay)
   updates, opt_state = optimizer.update(grads, opt_state, params)
   params = optax.apply_updates(params, updates)
-  return params, new_rest, opt_state, loss, average
+  return params, new_rest, opt_state, loss, average, gated
 
 
 @functools.partial(jax.jit, static_argnums=0)

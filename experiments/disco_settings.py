@@ -40,7 +40,8 @@ class Settings:
     sweep: comma-separated ratios for the quality-vs-bytes sweep.
     tolerance: largest validation drop from dense the sweep's choice may
       have (metric units).
-    budget: "layer" or "global" pruning budget.
+    budget: the DISCO arm's pruning budget, "layer" or "global"; both,
+      comma-separated, choose on validation (first seed).
     selection: how the DISCO arm chooses the channel groups it keeps:
       saliency (loss change measured while pruning), magnitude or random.
     seeds: number of seeds.
@@ -109,7 +110,26 @@ class Settings:
         f"validation_fraction must be in (0, 1), got {self.validation_fraction}"
       )
     self.learning_rate_list()
+    self.budget_list()
     self.ratios()
+
+  def budget_list(self) -> list[str]:
+    """The pruning budgets to choose from, checked (at least one, each of
+    `disco.prune.BUDGETS`, none twice).
+
+    Example:
+      >>> Settings(budget="layer,global").budget_list()
+      ['layer', 'global']
+    """
+    budgets = [v.strip() for v in self.budget.split(",")]
+    if not all(b in prune.BUDGETS for b in budgets) or len(set(budgets)) != len(
+      budgets
+    ):
+      raise DiscoError(
+        f"budget takes {' and/or '.join(prune.BUDGETS)} separated by a "
+        f"comma, each once, got {self.budget!r}"
+      )
+    return budgets
 
   def learning_rate_list(self) -> list[float]:
     """The dense learning rates, checked (at least one, each > 0)."""
@@ -321,7 +341,6 @@ def define_flags() -> None:
     "task": sorted(data.TASKS),
     "model": ["resnet", "vit"],
     "dataset": sorted({n for names in data.TASKS.values() for n in names}),
-    "budget": list(prune.BUDGETS),
     "selection": list(prune.SELECTIONS),
   }
   helps = dict(

@@ -6,15 +6,17 @@
 
 Data come from `disco.data.load`; a validation set (held-out photographs
 for super-resolution, else a share of the training split) chooses the
-learning rate of dense training (`--learning_rates`) and, with `--sweep`,
-the smallest ratio within `--tolerance` of dense; the test split only
-reports. For every seed: train the dense model (all masks one); from it,
-train three models for the same number of epochs, pruning gradually and
-then with the masks fixed: DISCO (`--selection`, saliency by default, at
---comm_ratio), random selection at the same ratio, and no communication
-(ratio 0). With `--sweep`, the first seed's dense model is also pruned to
-every ratio with every selection (saliency, magnitude, random): quality
-against bytes per inference, one curve per selection, `sweep_<task>.png`.
+learning rate of dense training (`--learning_rates`), the DISCO arm's
+pruning budget where `--budget` lists both (`layer,global`, on the first
+seed) and, with `--sweep`, the smallest ratio within `--tolerance` of
+dense; the test split only reports. For every seed: train the dense
+model (all masks one); from it, train three models for the same number
+of epochs, pruning gradually and then with the masks fixed: DISCO
+(`--selection`, saliency by default, at --comm_ratio), random selection
+at the same ratio, and no communication (ratio 0). With `--sweep`, the
+first seed's dense model is also pruned to every ratio with every
+selection (saliency, gates, magnitude, random): quality against bytes per
+inference, one curve per selection, `sweep_<task>.png`.
 
 `results.json`: `metric` (accuracy, psnr, miou or map50), `quality_<v>`
 (test, mean over seeds) and `quality_<v>_per_seed` for v in dense, disco,
@@ -23,7 +25,10 @@ random, no_comm, the same on validation, `paired_disco_minus_random`
 `comm_bytes_dense` /
 `comm_bytes_disco` (one inference of one image, from the masks), costs of
 the first seed's DISCO model, `sweep` rows and the `chosen` ratio;
-super-resolution adds SSIM and the bicubic baseline. One checkpoint per
+super-resolution adds SSIM and the bicubic baseline; `budget` is the
+budget used and `budget_validation` each candidate's validation quality,
+bytes and whether they fit ratio x dense bytes, where there were several;
+`comm_bytes_random` the random arm's bytes (first seed). One checkpoint per
 seed (`disco_seed<N>/`, read by `disco.checkpoint.load`).
 
 Flags left out take the task's measured settings
@@ -87,10 +92,20 @@ def run(settings: Settings, out: str) -> dict:
   )
   seeds = range(settings.first_seed, settings.first_seed + settings.seeds)
   rates = settings.learning_rate_list()
-  runs = len(rates) + 4 * len(seeds) - 1 + 2 * len(ratios)
+  extra_budgets = len(settings.budget_list()) - 1
+  runs = (
+    len(rates)
+    + 4 * len(seeds)
+    - 1
+    + len(prune.SELECTIONS) * len(ratios)
+    + extra_budgets
+  )
   progress = common.Progress(runs, "training run")
   experiment = _Experiment(settings, dataset, validation, progress)
   learning_rate, first_dense = experiment.choose_learning_rate(rates)
+  budget, first_pruned, by_budget = experiment.choose_budget(
+    first_dense, settings.first_seed
+  )
   scores = {name: [] for name in VARIANTS}
   checkpoints, first_disco = [], None
   for seed in seeds:
@@ -104,7 +119,10 @@ def run(settings: Settings, out: str) -> dict:
       "no_comm": (0.0, "magnitude"),
     }
     for name, (ratio, selection) in variants.items():
-      model = experiment.pruned(dense, ratio, selection, seed, name)
+      if name == "disco" and seed == seeds[0] and first_pruned is not None:
+        model = first_pruned
+      else:
+        model = experiment.pruned(dense, ratio, selection, seed, name, budget)
       scores[name].append(experiment.evaluate(model))
       if name == "disco":
         folder = os.path.join(out, f"disco_seed{seed}")
@@ -113,9 +131,15 @@ def run(settings: Settings, out: str) -> dict:
         if first_disco is None:
           first_disco = model
     if seed == seeds[0]:
-      sweep = experiment.sweep(dense, ratios, seed)
+      sweep = experiment.sweep(dense, ratios, seed, budget)
   results = _results(settings, scores, first_disco, sweep)
-  results.update(learning_rate=learning_rate, checkpoints=checkpoints)
+  results.update(
+    comm_bytes_random=scores["random"][0]["bytes"],
+    learning_rate=learning_rate,
+    budget=budget,
+    budget_validation=by_budget,
+    checkpoints=checkpoints,
+  )
   if settings.task == "superres":
     results.update(
       tasks.bicubic_baseline(dataset.x_test, dataset.y_test, settings.scale)
@@ -151,6 +175,43 @@ class _Experiment:
         best = (score, rate, model)
     return best[1], best[2]
 
+  def choose_budget(self, dense, seed):
+    """(budget, its DISCO model or None, per budget its validation
+    quality, bytes and whether they fit the ratio):
+    with several `--budget`s, the DISCO arm pruned from the first seed's
+    `dense` with each, the best on validation chosen (None: one budget,
+    nothing trained here).
+
+    The ratio counts channel groups; bytes are groups times their tensor's
+    positions, so the global budget may keep groups of large tensors and
+    send more than ratio x dense bytes. Such a candidate is left out (its
+    quality is recorded): choosing it would buy quality with bytes, and
+    the comparison with random is at the ratio's bytes."""
+    s = self.settings
+    budgets = s.budget_list()
+    if len(budgets) == 1:
+      return budgets[0], None, {}
+    allowed = (
+      s.comm_ratio * metrics.count(metrics.with_masks(dense, True)).bytes_sent
+    )
+    best, scores = None, {}
+    for budget in budgets:
+      name = f"disco, {budget} budget"
+      model = self.pruned(dense, s.comm_ratio, s.selection, seed, name, budget)
+      scored = self.evaluate(model)
+      fits = scored["bytes"] <= allowed
+      scores[budget] = dict(
+        quality=scored["validation"], bytes=scored["bytes"], allowed=fits
+      )
+      common.log(
+        f"budget {budget}: validation quality {scored['validation']:.4f}, "
+        f"{scored['bytes']:,} bytes"
+        + ("" if fits else f" over the ratio's {allowed:,.0f}: left out")
+      )
+      if fits and (best is None or scored["validation"] > best[0]):
+        best = (scored["validation"], budget, model)
+    return best[1], best[2], scores
+
   def dense(self, seed, learning_rate):
     """A dense model trained from scratch."""
     s = self.settings
@@ -167,8 +228,9 @@ class _Experiment:
     self.progress.step(f"seed {seed} dense")
     return model
 
-  def pruned(self, dense, ratio, selection, seed, name):
-    """`dense` pruned gradually to `ratio`, then fine-tuned."""
+  def pruned(self, dense, ratio, selection, seed, name, budget):
+    """`dense` pruned gradually to `ratio` within `budget`, then
+    fine-tuned."""
     s = self.settings
     model = nnx.clone(dense)
     config = train.TrainConfig(epochs=1, batch_size=s.batch_size)
@@ -179,7 +241,7 @@ class _Experiment:
       target_ratio=ratio,
       steps=max(steps, 1),
       every=s.prune_every,
-      budget=s.budget,
+      budget=budget,
       selection=selection,
       seed=seed,
     )
@@ -226,12 +288,12 @@ class _Experiment:
     )
     return scores
 
-  def sweep(self, dense, ratios, seed) -> list:
+  def sweep(self, dense, ratios, seed, budget) -> list:
     """One row per ratio and selection, from `dense`."""
     rows = []
     for ratio in ratios:
       for selection in prune.SELECTIONS:
-        model = self.pruned(dense, ratio, selection, seed, "sweep")
+        model = self.pruned(dense, ratio, selection, seed, "sweep", budget)
         scores = self.evaluate(model)
         rows.append(
           {
@@ -324,7 +386,7 @@ def _plot(settings, results, out) -> str | None:
     common.log("no matplotlib (the plots extra): no sweep plot")
     return None
   figure, axes = plt.subplots(figsize=(5, 3.5))
-  markers = dict(saliency="o-", magnitude="^-", random="s--")
+  markers = dict(saliency="o-", gates="D-", magnitude="^-", random="s--")
   for selection in prune.SELECTIONS:
     rows = [r for r in results["sweep"] if r["selection"] == selection]
     rows.sort(key=lambda r: r["comm_bytes"])

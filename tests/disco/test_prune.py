@@ -222,3 +222,91 @@ def test_group_norm_penalty_sums_kept_cross_columns():
   assert float(prune.group_norm_penalty(layer)) == pytest.approx(7.0)
   prune.to_ratio(layer, 0.5)
   assert float(prune.group_norm_penalty(layer)) == pytest.approx(4.0)
+
+
+def test_gates_scale_the_columns_gate_gradients_differentiate_by():
+  # d loss / d gate of the model gated by HardConcreteGates.gated, at all
+  # gates one, is what gate_gradients says: both scale the same columns.
+  model = TwoLayers(seed=4)
+  prune.to_ratio(model, 0.5)
+  x = normal(2, (6, 10))
+  groups = prune.mask_groups(model)
+  ones = [jnp.ones(g.cross.shape) for g in groups]
+
+  def loss(gates):
+    gated = nnx.clone(model)
+    prune.HardConcreteGates.gated(gated, gates)
+    return jnp.sum(gated(x) ** 2)
+
+  by_gate = jax.grad(loss)(ones)
+  graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+  grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+  want = prune.gate_gradients(model, nnx.merge(graphdef, grads, rest))
+  for group, got, expected in zip(groups, by_gate, want, strict=True):
+    np.testing.assert_allclose(
+      np.asarray(got)[group.cross],
+      np.asarray(expected)[group.cross],
+      rtol=1e-4,
+      atol=1e-5,
+    )
+    # the bits that are not groups are not gated
+    np.testing.assert_array_equal(np.asarray(got)[~group.cross], 0.0)
+
+
+def test_hard_concrete_gates_are_exactly_zero_with_the_stated_probability():
+  gates = prune.HardConcreteGates
+  log_alpha = jnp.asarray([-2.0, 0.0, 1.0, 3.0])
+  draws = jnp.stack(
+    [gates.sample([log_alpha], jax.random.key(k))[0] for k in range(2000)]
+  )
+  assert float(draws.min()) == 0.0 and float(draws.max()) == 1.0
+  opened = np.mean(np.asarray(draws) > 0, axis=0)
+  # 2000 draws: the standard error of a frequency is at most 0.011
+  np.testing.assert_allclose(
+    opened, np.asarray(gates.open_probability(log_alpha)), atol=0.04
+  )
+  # the median draw is the stretched sigmoid(log_alpha / beta), clipped
+  median = jax.nn.sigmoid(log_alpha / gates.BETA) * 1.2 - 0.1
+  np.testing.assert_allclose(
+    np.median(np.asarray(draws), axis=0),
+    np.clip(np.asarray(median), 0, 1),
+    atol=0.03,
+  )
+
+
+def test_folding_gates_leaves_the_gated_models_function_in_its_weights():
+  model = TwoLayers(seed=5)
+  prune.to_ratio(model, 0.5)
+  x = normal(3, (4, 10))
+  groups = prune.mask_groups(model)
+  log_alphas = [
+    jnp.asarray(normal(7 + i, g.cross.shape) * 3) for i, g in enumerate(groups)
+  ]
+  gated = nnx.clone(model)
+  prune.HardConcreteGates.gated(
+    gated, [prune.HardConcreteGates.deterministic(a) for a in log_alphas]
+  )
+  prune.HardConcreteGates.fold(model, log_alphas)
+  np.testing.assert_allclose(
+    np.asarray(model(x)), np.asarray(gated(x)), rtol=1e-6
+  )
+  # the model holds only weights and masks: nothing else changed
+  assert prune.comm_ratio(model) == 0.5
+
+
+def test_gates_selection_keeps_the_largest_log_alpha_and_needs_them():
+  model = TwoLayers()
+  log_alphas = [
+    np.arange(g.cross.size, dtype=float).reshape(g.cross.shape)
+    for g in prune.mask_groups(model)
+  ]
+  prune.to_ratio(model, 0.5, selection="gates", gates=log_alphas)
+  for group, score in zip(prune.mask_groups(model), log_alphas, strict=True):
+    kept = group.kept()
+    assert score[kept].min() > score[group.cross & ~kept].max()
+  with pytest.raises(PruneError, match="gates learned"):
+    prune.to_ratio(TwoLayers(), 0.5, selection="gates")
+  with pytest.raises(PruneError, match="does not read them"):
+    prune.to_ratio(TwoLayers(), 0.5, selection="saliency", gates=log_alphas)
+  with pytest.raises(PruneError, match="gate_learning_rate"):
+    prune.GradualSchedule(0.5, steps=4, selection="gates", gate_learning_rate=0)

@@ -79,6 +79,31 @@ def test_saliency_keeps_the_groups_the_loss_needs():
   assert train.accuracy(model, x, y) > 0.9
 
 
+@pytest.mark.parametrize("budget", ["layer", "global"])
+def test_gates_keep_a_group_the_loss_needs(budget):
+  # The saliency test's problem with one group kept of 8: either signal
+  # carrier suffices (node 0's logit reading x4 or node 1's reading x0:
+  # only their difference counts). The six groups that carry nothing get
+  # no task gradient and the penalty closes their gates; the kept gate is
+  # folded into the weights at the last pruning, and the model leaves
+  # with masks and weights only.
+  rng = np.random.default_rng(0)
+  x = np.zeros((512, 8), np.float32)
+  x[:, [0, 4]] = rng.normal(size=(512, 2))
+  y = (x[:, 0] + x[:, 4] > 0).astype(np.int32)
+  model = _Linear()
+  schedule = prune.GradualSchedule(
+    0.125, steps=32, every=4, selection="gates", budget=budget
+  )
+  config = train.TrainConfig(epochs=20, learning_rate=0.05)
+  train.fit(model, x, y, config, schedule=schedule)
+  kept = prune.mask_groups(model)[0].kept()
+  assert sorted(zip(*np.nonzero(kept), strict=True)) in ([(0, 4)], [(1, 0)])
+  assert train.accuracy(model, x, y) > 0.9
+  names = [str(path) for path, _ in nnx.to_flat_state(nnx.state(model))]
+  assert not [n for n in names if "gate" in n or "alpha" in n]
+
+
 def test_fit_needs_one_batch():
   model = ResNet(ResNetConfig(), rngs=nnx.Rngs(0))
   with pytest.raises(DiscoError, match="fewer than one batch"):
@@ -144,6 +169,7 @@ def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
     finetune_epochs=8,
     finetune_learning_rate=3e-3,
     sweep="0.1",
+    budget="layer,global",
   )
   results = disco_train.run(settings, str(tmp_path))
   assert (tmp_path / "results.json").exists()
@@ -158,9 +184,19 @@ def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
   rows = results["sweep"]
   assert [(r["ratio"], r["selection"]) for r in rows] == [
     (0.1, "saliency"),
+    (0.1, "gates"),
     (0.1, "magnitude"),
     (0.1, "random"),
   ]
+  # The budget chosen on validation from the first seed's two DISCO runs,
+  # among those within the ratio's bytes (the layer budget always is).
+  scores = results["budget_validation"]
+  assert sorted(scores) == ["global", "layer"] and scores["layer"]["allowed"]
+  allowed = [b for b in scores if scores[b]["allowed"]]
+  assert results["budget"] == max(allowed, key=lambda b: scores[b]["quality"])
+  for row in scores.values():
+    fits = row["bytes"] <= 0.2 * results["comm_bytes_dense"]
+    assert row["allowed"] == fits
   paired = results["paired_disco_minus_random"]
   assert paired["seeds"] == 1 and paired["low"] is None
   assert paired["mean"] == pytest.approx(
@@ -180,10 +216,19 @@ def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
     "dataset": "synthetic",
     "image_size": 16,
   }
-  # Every mask at the requested ratio (the layer budget's floor).
-  for group in prune.mask_groups(model):
-    want = math.floor(settings.comm_ratio * int(group.cross.sum()) + 1e-9)
-    assert int(group.kept().sum()) == want
+  # Every mask at the requested ratio (the layer budget's floor), or the
+  # model's groups together (the global budget's).
+  groups = prune.mask_groups(model)
+  kept = [int(g.kept().sum()) for g in groups]
+  sizes = [int(g.cross.sum()) for g in groups]
+  if results["budget"] == "layer":
+    want = [math.floor(settings.comm_ratio * n + 1e-9) for n in sizes]
+    assert kept == want
+  else:
+    assert sum(kept) == math.floor(settings.comm_ratio * sum(sizes) + 1e-9)
+  assert results["quality_disco_validation_per_seed"][0] == pytest.approx(
+    scores[results["budget"]]["quality"]
+  )
   # Accuracy on 128 held-out images of 10 classes (chance 0.1). Measured
   # with first_seed 0..3 (this test runs seed 0): dense 0.953-0.992,
   # DISCO at r = 0.2 0.047-0.063 below dense, 0.125-0.234 above no
@@ -252,6 +297,8 @@ def test_experiment_refuses_a_ratio_outside_0_1(tmp_path):
     ({"learning_rates": "0.1,0"}, "each of learning_rates must be .* > 0"),
     ({"sweep": "0.1,2"}, "communication ratio must be in"),
     ({"sweep": "0.1,x"}, "sweep takes ratios separated by commas"),  # raw
+    ({"budget": "layer,bogus"}, "budget takes layer and/or global"),
+    ({"budget": "layer,layer"}, "each once"),
   ],
 )
 def test_settings_out_of_range_are_refused_before_a_run(given, message):
