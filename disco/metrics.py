@@ -23,6 +23,8 @@ costs each node, from the masks as they are:
 - Memory per node: its parameters plus the largest working set of one op
   (the inputs it reads and the outputs it writes), in `itemsize` bytes.
 
+`group_bytes` gives the bytes of each channel group (mask bit) on its own,
+what the "bytes" pruning budget (`disco.prune.to_ratio`) spends.
 `compare` puts this next to dense channel parallelism (the same model with
 all masks one) and a single device holding the dense model, and
 `LatencyModel` turns a report into a time per inference.
@@ -38,7 +40,7 @@ from flax import nnx
 
 from disco.errors import MetricsError, require_int, require_number
 from disco.layers import CommMask, DiscoLayer, require_concrete_masks
-from disco.observe import Observed
+from disco.observe import Observed, positions
 from disco.ops import OneDevice
 from disco.splits import split_channels
 
@@ -259,6 +261,63 @@ def count(model: nnx.Module, input_shape=None, *, itemsize: int = 4):
     layers.append(_output_gather(name, split, shape, num_nodes, itemsize))
   total, shared = _param_counts(model, {path for path, _, _ in calls})
   return CostReport(num_nodes, tuple(layers), shared, total, itemsize)
+
+
+def group_bytes(
+  model: nnx.Module, input_shape=None, *, itemsize: int = 4
+) -> list[np.ndarray]:
+  """The bytes one inference sends for each channel group, per mask group.
+
+  A group (destination j, channel c of another node) sends every position
+  of channel c of each tensor read through its mask. Where masks of
+  different layers read one tensor, `count` sends a channel once for all
+  of them and this counts it for each: the figures bound the bytes from
+  above, and equal them where no two masks read one tensor (every model
+  in `disco.models`).
+
+  Example:
+    >>> from flax import nnx
+    >>> from disco.layers import DiscoConv
+    >>> conv = DiscoConv(4, 4, (3, 3), num_nodes=2, rngs=nnx.Rngs(0))
+    >>> group_bytes(conv, (1, 5, 5, 4))[0].tolist()  # 25 positions x 4 B
+    [[0, 0, 100, 100], [100, 100, 0, 0]]
+
+  Args:
+    model: a model built from DISCO layers, masks concrete.
+    input_shape: as for `count`.
+    itemsize: bytes per value sent.
+
+  Returns:
+    one int (nodes, channels) array per mask group in
+    `disco.prune.mask_groups` order: bytes for a group's bit, 0 elsewhere.
+
+  Raises:
+    MetricsError: as `count`.
+  """
+  _require_model(model)
+  require_int("itemsize", itemsize, 1, MetricsError)
+  require_concrete_masks(model, MetricsError)
+  input_shape = _input_shape(model, input_shape)
+  modules = dict(nnx.iter_modules(model))
+  layers = [m for m in modules.values() if isinstance(m, DiscoLayer)]
+  if not layers:
+    raise MetricsError(f"{type(model).__name__} has no DISCO layer to count")
+  calls, _ = _trace(model, input_shape, layers[0].num_nodes)
+  read = {}  # mask id -> {tensor id: positions of the tensor}
+  for path, x, _ in calls:
+    module = modules[path]
+    if isinstance(module, DiscoLayer) and not module.replicated_input:
+      read.setdefault(id(module.mask), {})[id(x)] = positions(x.shape)
+  # `disco.prune.mask_groups`' order (prune reads this module: no import
+  # back): distinct masks with channel groups, in module order.
+  crosses = {}
+  for _, module in nnx.iter_modules(model):
+    if isinstance(module, DiscoLayer) and module.cross().any():
+      crosses.setdefault(id(module.mask), module.cross())
+  return [
+    np.where(cross, sum(read.get(key, {}).values()), 0) * itemsize
+    for key, cross in crosses.items()
+  ]
 
 
 def with_masks(model: nnx.Module, keep: bool) -> nnx.Module:

@@ -5,7 +5,8 @@ input channel c owned by another node), which gates the weight column
 W[..., c, Q_j] of every layer reading that tensor through that mask. The
 communication ratio r is kept groups / all groups over the model; it is the
 bytes sent relative to dense channel parallelism when every mask keeps the
-same fraction (the per-layer budget).
+same fraction (the per-layer budget). The "bytes" budget reads r as the
+fraction of the groups' bytes instead (`comm_ratio` still counts groups).
 
 - Scores (`selection`): "saliency" is the loss increase expected when the
   group's gate closes, measured while training: with a gate g scaling the
@@ -29,8 +30,21 @@ same fraction (the per-layer budget).
 - Budget: "layer" keeps floor(r x groups) in every mask, so every layer's
   traffic, compute and weights shrink by the same factor; "global" keeps
   floor(r x all groups) over the model, ranking magnitudes normalised by
-  each mask's RMS so that layers of different scale compete fairly.
-- Masks only shrink: a group dropped once is never kept again.
+  each mask's RMS so that layers of different scale compete fairly;
+  "bytes" ranks the groups of the whole model by score per byte (a
+  group's bytes are its tensor's positions times the item size:
+  `disco.metrics.group_bytes`) and keeps them in that order, skipping
+  any that would take the bytes over r x the bytes of all groups, so r
+  is a fraction of the traffic the masks control (not the outputs
+  gathered to node 0) and no layer is floored to nothing. Random
+  selection ranks by its random numbers alone (a random choice within
+  the same budget; it ends further below it than a ranking per byte,
+  which keeps small groups to fill with), and gates by their
+  probability of being open.
+- Masks only shrink: a group dropped once is never kept again. A ratio
+  above the kept groups is refused (with the bytes budget: bytes at least
+  one largest group above them; a smaller rise keeps the groups as they
+  are, since a falling schedule also ends up to one group short).
 - `GradualSchedule`: r falls from 1 to the target along a cubic
   (Zhu & Gupta, 2017) while training continues; fine-tuning then trains with
   the masks fixed (masks are not parameters, so optimizers leave them).
@@ -48,11 +62,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from disco.errors import PruneError, require_int, require_number
+from disco import metrics
+from disco.errors import MetricsError, PruneError, require_int, require_number
 from disco.layers import CommMask, DiscoLayer, require_concrete_masks
 
 SELECTIONS = ("saliency", "gates", "magnitude", "random")
-BUDGETS = ("layer", "global")
+BUDGETS = ("layer", "global", "bytes")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -191,8 +206,10 @@ def to_ratio(
   seed: int = 0,
   saliency=None,
   gates=None,
+  group_bytes=None,
 ) -> None:
-  """Sets the masks in place to keep the best `comm_ratio` of the groups.
+  """Sets the masks in place to keep the best `comm_ratio` of the groups
+  (of their bytes with budget "bytes").
 
   Example:
     >>> from flax import nnx
@@ -204,9 +221,10 @@ def to_ratio(
 
   Args:
     model: a model built from DISCO layers.
-    comm_ratio: target fraction of channel groups kept, in [0, 1].
-    budget: "layer" (the fraction in every mask) or "global" (over the
-      model).
+    comm_ratio: target fraction of channel groups kept (of their bytes
+      with budget "bytes"), in [0, 1].
+    budget: "layer" (the fraction of groups in every mask), "global" (of
+      the model's groups) or "bytes" (of the bytes of the model's groups).
     selection: "saliency", "gates", "magnitude" or "random".
     seed: seed of the random scores.
     saliency: with selection "saliency", the scores: one (nodes, channels)
@@ -214,12 +232,17 @@ def to_ratio(
       accumulates, `SaliencyMeter`).
     gates: with selection "gates", the gates' log_alpha, shaped like
       `saliency` (what `train.fit` learns, `HardConcreteGates`).
+    group_bytes: with budget "bytes", each group's bytes per inference,
+      shaped like `saliency`; by default `disco.metrics.group_bytes(model)`
+      (the input shape from the model's config).
 
   Raises:
     PruneError: a ratio outside [0, 1], an unknown option, a target that
       would keep a group already dropped, saliency or gates selection
       without scores of the model's shapes, or scores (weights for magnitude
-      selection) that are not finite.
+      selection) that are not finite; budget "bytes" with group bytes not
+      of the masks' shapes, negative or not finite, or without them where
+      the model's config gives no input shape.
   """
   comm_ratio = check_ratio(comm_ratio)
   require_int("seed", seed, 0, PruneError)
@@ -229,10 +252,21 @@ def to_ratio(
       f"{type(model).__name__} has no DISCO layers: there is nothing to prune"
     )
   groups = mask_groups(model)
+  if not groups:
+    return  # one node: nothing crosses a link, nothing to choose
   given = _check_measured(groups, selection, saliency, gates)
   scores = [
     _scores(g, index, selection, seed, given) for index, g in enumerate(groups)
   ]
+  if group_bytes is not None and budget != "bytes":
+    raise PruneError(
+      f"group_bytes were given to budget {budget!r}, which counts groups: "
+      "pass budget='bytes'"
+    )
+  if budget == "bytes":
+    costs = _group_bytes(model, groups, group_bytes)
+    _fill_bytes(groups, scores, costs, comm_ratio, selection)
+    return
   if budget == "layer":
     for group, score in zip(groups, scores, strict=True):
       keep = _keep_count(comm_ratio, int(group.cross.sum()))
@@ -247,6 +281,12 @@ def to_ratio(
   flat = np.concatenate([s[k] for s, k in zip(scores, kept, strict=True)])
   chosen = np.zeros(flat.shape, bool)
   chosen[np.argsort(-flat, kind="stable")[:keep]] = True
+  _set_masks(groups, kept, chosen)
+
+
+def _set_masks(groups, kept, chosen) -> None:
+  """Each mask's kept groups from `chosen`, a flag per kept group of the
+  model in `groups` order."""
   offset = 0
   for group, kept_now in zip(groups, kept, strict=True):
     new = np.zeros_like(kept_now)
@@ -311,7 +351,7 @@ class GradualSchedule:
     target_ratio: the final communication ratio.
     steps: training steps from the first to the last pruning.
     every: training steps between prunings.
-    budget: "layer" or "global" (see `to_ratio`).
+    budget: "layer", "global" or "bytes" (see `to_ratio`).
     selection: "saliency", "gates", "magnitude" or "random"; saliency and
       gates need the scores `train.fit` measures (`apply`'s `saliency` or
       `gates`).
@@ -320,6 +360,9 @@ class GradualSchedule:
     gate_learning_rate: with selection "gates", Adam's learning rate of
       the gates' log_alpha.
     seed: seed of the random scores.
+    input_shape: with budget "bytes", the input shape the groups' bytes
+      are counted at (`disco.metrics.group_bytes`); by default the
+      model's config gives it.
   """
 
   target_ratio: float
@@ -330,6 +373,7 @@ class GradualSchedule:
   seed: int = 0
   gate_penalty: float = 1.0
   gate_learning_rate: float = 0.05
+  input_shape: tuple | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "target_ratio", check_ratio(self.target_ratio))
@@ -343,6 +387,29 @@ class GradualSchedule:
     require_int("steps", self.steps, 1, PruneError)
     require_int("every", self.every, 1, PruneError)
     _check_choices(self.budget, self.selection)
+    if self.input_shape is not None:
+      if self.budget != "bytes":
+        raise PruneError(
+          f"input_shape is read by the bytes budget only, got budget "
+          f"{self.budget!r}"
+        )
+      shape = self.input_shape
+      if not isinstance(shape, tuple | list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape
+      ):
+        raise PruneError(
+          f"input_shape must be a tuple of ints >= 1 (batch first), got "
+          f"{shape!r}"
+        )
+      object.__setattr__(self, "input_shape", tuple(shape))
+
+  def group_bytes(self, model: nnx.Module):
+    """With budget "bytes", each group's bytes (`disco.metrics.group_bytes`
+    at `input_shape`), to count once and pass to every `apply`; else None.
+    """
+    if self.budget != "bytes":
+      return None
+    return _group_bytes(model, mask_groups(model), None, self.input_shape)
 
   def ratio_at(self, step: int) -> float:
     """The communication ratio the masks should have after `step` steps."""
@@ -356,10 +423,18 @@ class GradualSchedule:
     )
 
   def apply(
-    self, model: nnx.Module, step: int, saliency=None, gates=None
+    self,
+    model: nnx.Module,
+    step: int,
+    saliency=None,
+    gates=None,
+    group_bytes=None,
   ) -> None:
-    """Prunes `model` to `ratio_at(step)` (`saliency`, `gates`: see
-    `to_ratio`)."""
+    """Prunes `model` to `ratio_at(step)` (`saliency`, `gates`,
+    `group_bytes`: see `to_ratio`; the bytes budget counts them here if
+    not given)."""
+    if self.budget == "bytes" and group_bytes is None:
+      group_bytes = self.group_bytes(model)
     to_ratio(
       model,
       self.ratio_at(step),
@@ -368,6 +443,7 @@ class GradualSchedule:
       seed=self.seed,
       saliency=saliency,
       gates=gates,
+      group_bytes=group_bytes,
     )
 
 
@@ -598,6 +674,83 @@ def _scores(group, index, selection, seed, measured):
     )
   rms = np.sqrt(np.mean(np.square(norms[group.cross])))
   return norms / max(rms, 1e-12)
+
+
+def _group_bytes(model, groups, given, input_shape=None) -> list[np.ndarray]:
+  """The bytes of every group (`to_ratio`'s `group_bytes`, or counted at
+  `input_shape`)."""
+  if given is None:
+    try:
+      given = metrics.group_bytes(model, input_shape)
+    except MetricsError as error:
+      raise PruneError(
+        f"the bytes budget needs each group's bytes: {error} (pass "
+        "group_bytes=disco.metrics.group_bytes(model, input_shape), or a "
+        "GradualSchedule's input_shape)"
+      ) from None
+  costs = [np.asarray(c, np.float64) for c in given]
+  shapes = [g.cross.shape for g in groups]
+  if [c.shape for c in costs] != shapes:
+    raise PruneError(
+      f"group bytes of shapes {[c.shape for c in costs]} for mask groups of "
+      f"shapes {shapes}: they were counted on another model"
+    )
+  for index, (cost, group) in enumerate(zip(costs, groups, strict=True)):
+    values = cost[group.cross]
+    if not np.all(np.isfinite(values)) or np.any(values < 0):
+      raise PruneError(
+        f"the group bytes of mask group {index} must be finite and at least "
+        f"0, got {values.min() if values.size else values}"
+      )
+  return costs
+
+
+def _fill_bytes(groups, scores, costs, comm_ratio, selection) -> None:
+  """Keeps kept groups in order of score per byte while their bytes fit
+  `comm_ratio` x the bytes of all groups (`to_ratio`'s "bytes" budget)."""
+  crosses = [g.cross for g in groups]
+  kept = [g.kept() for g in groups]
+  total = sum(float(c[x].sum()) for c, x in zip(costs, crosses, strict=True))
+  # The epsilon absorbs float error in products that are whole numbers.
+  target = comm_ratio * total * (1 + 1e-9)
+  value = np.concatenate([s[k] for s, k in zip(scores, kept, strict=True)])
+  cost = np.concatenate([c[k] for c, k in zip(costs, kept, strict=True)])
+  held = float(cost.sum())
+  largest = max(
+    (float(c[x].max()) for c, x in zip(costs, crosses, strict=True) if x.any()),
+    default=0.0,
+  )
+  # Ratios that fall (a schedule) leave the kept bytes short of the target
+  # by less than one group (the last group left out did not fit); a gap of
+  # a whole largest group means the ratio rose above what was kept.
+  if target - held >= largest > 0:
+    raise PruneError(
+      f"ratio {comm_ratio} of the bytes would keep groups already dropped "
+      f"(the kept groups send {held:,.0f} of {total:,.0f} bytes): masks only "
+      "shrink; start again from a model with all masks one "
+      "(disco.metrics.with_masks(model, True))"
+    )
+  if selection == "gates":
+    # HardConcreteGates.open_probability in float64: float32 saturates to
+    # 1 above log_alpha ~17, and the ranking would be cheapest first.
+    shift = HardConcreteGates.BETA * np.log(
+      -HardConcreteGates.GAMMA / HardConcreteGates.ZETA
+    )
+    value = 1.0 / (1.0 + np.exp(-(value - shift)))
+  if selection == "random":
+    key = value  # a random choice within the budget
+  else:
+    # Free groups (a tensor no call reads) first; then value per byte.
+    key = np.divide(
+      value, cost, out=np.full_like(value, np.inf), where=cost > 0
+    )
+  chosen = np.zeros(value.shape, bool)
+  used = 0.0
+  for index in np.argsort(-key, kind="stable"):
+    if used + cost[index] <= target:
+      chosen[index] = True
+      used += cost[index]
+  _set_masks(groups, kept, chosen)
 
 
 def _keep_count(comm_ratio: float, groups: int) -> int:

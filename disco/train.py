@@ -118,7 +118,8 @@ def fit(
     DataError: fewer images than one batch; labels not one per image, or
       (with `classification_loss`) not class indices of the model.
     PruneError: a schedule longer than the run (its target would not be
-      reached).
+      reached); a bytes budget whose groups' bytes cannot be counted (no
+      input shape: `GradualSchedule(input_shape=...)`).
   """
   if len(images) < config.batch_size:
     raise DataError(
@@ -170,6 +171,8 @@ def fit(
     )
     gates = (log_alphas, optax.adam(0.0).init(log_alphas))
     gate_key = jax.random.key(seed)
+  # The bytes budget: each group's bytes, counted once (a trace).
+  group_bytes = None if schedule is None else schedule.group_bytes(model)
   for epoch in range(config.epochs):
     start = time.perf_counter()
     order = rng.permutation(len(images))
@@ -181,7 +184,8 @@ def fit(
       if pruning and gates is not None:
         gating = (
           *gates,
-          jax.random.fold_in(gate_key, step),
+          gate_key,
+          step,
           schedule.gate_penalty,
           schedule.gate_learning_rate,
         )
@@ -212,7 +216,9 @@ def fit(
         learned = None
         if gates is not None:
           learned = [np.asarray(a, np.float64) for a in gates[0]]
-        schedule.apply(model, step, saliency=scores, gates=learned)
+        schedule.apply(
+          model, step, saliency=scores, gates=learned, group_bytes=group_bytes
+        )
         if gates is not None and step == schedule.steps:
           # The last pruning: the kept groups' test-time gates go into
           # their weights, and training goes on without gates.
@@ -324,7 +330,8 @@ def _train_step(
   """One AdamW step; with a saliency `average` (and its `decay`), also the
   average moved by this batch's squared gate derivatives of the task loss
   (`prune.SaliencyMeter`); None otherwise. With `gating` (log_alphas,
-  their Adam state, a key, the penalty weight, their learning rate), the
+  their Adam state, the run's gate key, the step, which is folded into
+  the key here, the penalty weight, their learning rate), the
   forward pass runs with sampled hard-concrete gates on the groups and
   the gates take an Adam step too: (log_alphas, state) is returned, None
   otherwise."""
@@ -340,8 +347,9 @@ def _train_step(
     penalty = group_lasso * penalty_of(params)
     if log_alphas is not None:
       gates = prune.HardConcreteGates
-      penalty = penalty + gating[3] * gates.open_fraction(model, log_alphas)
-      gates.gated(model, gates.sample(log_alphas, gating[2]))
+      penalty = penalty + gating[4] * gates.open_fraction(model, log_alphas)
+      key = jax.random.fold_in(gating[2], gating[3])
+      gates.gated(model, gates.sample(log_alphas, key))
     loss = loss_of(model(images), labels)
     *_, new_rest = nnx.split(model, nnx.Param, CommMask, ...)
     return loss + penalty, (loss, new_rest)
@@ -352,7 +360,7 @@ def _train_step(
   )(params, log_alphas)
   gated = None
   if gating is not None:
-    updates, gate_state = optax.adam(gating[4]).update(gate_grads, gating[1])
+    updates, gate_state = optax.adam(gating[5]).update(gate_grads, gating[1])
     gated = (optax.apply_updates(log_alphas, updates), gate_state)
   if average is not None:
     # The task loss's gradients: the group-lasso term's taken out (it has

@@ -65,7 +65,8 @@ def _disco_section(results: dict, source: str) -> list[str]:
   out = [
     f"## {title} ({metric})",
     "",
-    f"From `{source}`: {nodes} nodes, budget r = {ratio}, DISCO's "
+    f"From `{source}`: {nodes} nodes, budget r = {ratio} "
+    f"({results.get('budget', 'layer')}), DISCO's "
     f"selection {results.get('selection', 'magnitude')}, "
     f"{len(results['quality_dense_per_seed'])} seeds, "
     f"{results.get('wall_seconds', '?')} s.",
@@ -106,7 +107,12 @@ def _disco_section(results: dict, source: str) -> list[str]:
   out += [
     "",
     f"Bytes between nodes per example: dense {dense:,}, DISCO {disco:,}"
-    + (f" ({dense / disco:.1f}x fewer)." if disco else "."),
+    + (f" ({dense / disco:.1f}x fewer)" if disco else "")
+    + (
+      f", random {results['comm_bytes_random']:,} (first seed)."
+      if "comm_bytes_random" in results
+      else "."
+    ),
   ]
   sweep = results.get("sweep") or []
   if sweep:

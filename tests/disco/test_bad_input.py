@@ -262,6 +262,33 @@ ROWS = [
     PruneError,
     "budget must be one of",
   ),
+  (
+    "prune-bytes-without-input-shape",
+    lambda c: prune.to_ratio(dense(), 0.5, budget="bytes"),
+    PruneError,
+    "needs each group's bytes",
+  ),
+  (
+    "prune-bytes-negative",
+    lambda c: prune.to_ratio(
+      dense(),
+      0.5,
+      budget="bytes",
+      group_bytes=[-np.ones(g.cross.shape) for g in prune.mask_groups(dense())],
+    ),
+    PruneError,
+    "at least 0",
+  ),
+  (
+    "prune-bytes-given-to-layer-budget",
+    lambda c: prune.to_ratio(
+      dense(),
+      0.5,
+      group_bytes=[np.ones(g.cross.shape) for g in prune.mask_groups(dense())],
+    ),
+    PruneError,
+    "pass budget='bytes'",
+  ),
   # Four anchors built heads of 84 boxes against 63 default boxes; loss and
   # mAP then failed to broadcast.
   (

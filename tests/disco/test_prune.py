@@ -138,6 +138,149 @@ def test_growing_masks_and_unknown_options_are_refused():
     prune.to_ratio(model, 0.1, selection="learned")
 
 
+def _group_bytes_sent(model):
+  """Bytes the channel groups send (all traffic minus what no mask can
+  remove: the outputs gathered to node 0, LayerNorm statistics)."""
+  fixed = metrics.count(metrics.with_masks(model, False)).bytes_sent
+  return metrics.count(model).bytes_sent - fixed
+
+
+def _zoo(name, nodes):
+  from disco.models.deeplab import DeepLab, SegConfig
+  from disco.models.esrgan import SRConfig, SRNet
+  from disco.models.ssd import SSD, SSDConfig
+  from disco.models.vit import ViT, ViTConfig
+
+  build, config = {
+    "resnet": (ResNet, ResNetConfig),
+    "vit": (ViT, ViTConfig),
+    "deeplab": (DeepLab, SegConfig),
+    "ssd": (SSD, SSDConfig),
+    "srnet": (SRNet, SRConfig),
+  }[name]
+  return build(config(num_nodes=nodes), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize(
+  "name, nodes",
+  [("resnet", 4), ("vit", 2), ("deeplab", 2), ("ssd", 4), ("srnet", 2)],
+)
+def test_group_bytes_are_what_the_masks_send(name, nodes):
+  # Each group's bytes summed are the traffic the masks control, and the
+  # groups one mask keeps send their bytes (shared tensors counted once).
+  model = _zoo(name, nodes)
+  costs = metrics.group_bytes(model)
+  assert sum(int(c.sum()) for c in costs) == _group_bytes_sent(model)
+  prune.to_ratio(model, 0.3, budget="bytes", group_bytes=costs)
+  kept = sum(
+    int(c[g.kept()].sum())
+    for c, g in zip(costs, prune.mask_groups(model), strict=True)
+  )
+  assert kept == _group_bytes_sent(model)
+
+
+@pytest.mark.parametrize("selection", ["magnitude", "random"])
+def test_bytes_budget_spends_the_ratio_of_the_bytes_as_ratios_fall(selection):
+  model = ResNet(ResNetConfig(num_nodes=2), rngs=nnx.Rngs(0))
+  costs = metrics.group_bytes(model)
+  total = sum(int(c.sum()) for c in costs)
+  largest = max(int(c.max()) for c in costs)
+
+  def sent():
+    groups = prune.mask_groups(model)
+    return sum(
+      int(c[g.kept()].sum()) for c, g in zip(costs, groups, strict=True)
+    )
+
+  # A falling sequence, as a gradual schedule prunes: never refused, never
+  # over the ratio, and short of it by less than one group.
+  for ratio in np.linspace(1.0, 0.02, 25):
+    prune.to_ratio(
+      model,
+      ratio,
+      budget="bytes",
+      selection=selection,
+      seed=3,
+      group_bytes=costs,
+    )
+    assert ratio * total - largest < sent() <= ratio * total
+  assert sent() == _group_bytes_sent(model)  # what metrics.count counts
+  with pytest.raises(PruneError, match="only shrink"):
+    prune.to_ratio(model, 0.5, budget="bytes", selection=selection)
+
+
+def test_bytes_budget_ranks_by_score_per_byte():
+  model = TwoLayers()
+  # Groups of the first mask cost 10 bytes and score 5, the second's cost
+  # 1 and score 1: per byte the second's win. r = 0.25 of 112 bytes: the
+  # 12 cheap groups, then one of the first (22 bytes; a second would
+  # make 32).
+  crosses = [g.cross for g in prune.mask_groups(model)]
+  costs = [np.where(crosses[0], 10, 0), np.where(crosses[1], 1, 0)]
+  scores = [5.0 * crosses[0], 1.0 * crosses[1]]
+  prune.to_ratio(
+    model,
+    0.25,
+    budget="bytes",
+    selection="saliency",
+    saliency=scores,
+    group_bytes=costs,
+  )
+  assert [int(k.sum()) for k in _kept(model)] == [1, 12]
+  # The global budget counts groups: 5 of 22, the highest scores, all in
+  # the first mask (50 bytes, twice the ratio's).
+  other = TwoLayers()
+  prune.to_ratio(
+    other, 0.25, budget="global", selection="saliency", saliency=scores
+  )
+  assert [int(k.sum()) for k in _kept(other)] == [5, 0]
+  # Random selection draws the groups regardless of their bytes, within
+  # them; the same seed draws the same.
+  draws = []
+  for _ in range(2):
+    model = TwoLayers()
+    prune.to_ratio(
+      model, 0.25, budget="bytes", selection="random", seed=5, group_bytes=costs
+    )
+    kept = _kept(model)
+    assert 10 * kept[0].sum() + kept[1].sum() <= 28
+    draws.append(kept)
+  for first, second in zip(*draws, strict=True):
+    np.testing.assert_array_equal(first, second)
+
+
+def test_bytes_budget_refuses_bytes_it_cannot_use():
+  model = TwoLayers()
+  crosses = [g.cross for g in prune.mask_groups(model)]
+  good = [np.where(c, 4, 0) for c in crosses]
+  with pytest.raises(PruneError, match="budget='bytes'"):
+    prune.to_ratio(model, 0.5, group_bytes=good)
+  with pytest.raises(PruneError, match="another model"):
+    prune.to_ratio(model, 0.5, budget="bytes", group_bytes=good[:1])
+  negative = [c.astype(float) for c in good]
+  negative[1][0, 6] = -1.0
+  with pytest.raises(PruneError, match="at least 0"):
+    prune.to_ratio(model, 0.5, budget="bytes", group_bytes=negative)
+  # Two layers without a config: no input shape to count the bytes at.
+  with pytest.raises(PruneError, match="input_shape"):
+    prune.to_ratio(model, 0.5, budget="bytes")
+  with pytest.raises(PruneError, match="bytes budget only"):
+    prune.GradualSchedule(0.5, steps=4, input_shape=(1, 10))
+  with pytest.raises(PruneError, match="tuple of ints >= 1"):
+    prune.GradualSchedule(0.5, steps=4, budget="bytes", input_shape=10)
+  # One node: no groups, nothing to choose (it raised on an empty list).
+  single = DiscoDense(4, 4, num_nodes=1, rngs=nnx.Rngs(0))
+  for budget in prune.BUDGETS:
+    prune.to_ratio(single, 0.5, budget=budget, group_bytes=None)
+  # With the input shape, a schedule counts them itself.
+  schedule = prune.GradualSchedule(
+    0.5, steps=4, every=2, budget="bytes", input_shape=(1, 10)
+  )
+  schedule.apply(model, 4)
+  # 4 B per group (one position) in both layers: half of the 22 groups.
+  assert sum(int(k.sum()) for k in _kept(model)) == 11
+
+
 def _gated_loss(parts, x, group, node, channel, gate):
   """The squared output of the model split into `parts` with one channel
   group's weight columns (input `channel` into `node`'s outputs, in every

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from disco import checkpoint, data, prune, train
+from disco import checkpoint, data, metrics, prune, train
 from disco.errors import DiscoError, PruneError
 from disco.layers import DiscoDense
 from disco.models import ResNet, ResNetConfig
@@ -58,16 +58,22 @@ class _Linear(nnx.Module):
     return self.layer(x)
 
 
-def test_saliency_keeps_the_groups_the_loss_needs():
-  # The label is the sign of x0 + x4: channel 0 is node 0's, 4 node 1's,
-  # so one of the two nodes' logits must read the other's channel; every
-  # other input channel is zero, so its weight columns get no gradient and
-  # its saliency is exactly 0 (magnitude would rank them by their random
-  # initial weights). Two of 8 groups kept: the two that carry the signal.
+def _signal_problem():
+  """The label is the sign of x0 + x4: channel 0 is node 0's, 4 node 1's,
+  so one of the two nodes' logits must read the other's channel; every
+  other input channel is zero, so its weight columns get no gradient."""
   rng = np.random.default_rng(0)
   x = np.zeros((512, 8), np.float32)
   x[:, [0, 4]] = rng.normal(size=(512, 2))
   y = (x[:, 0] + x[:, 4] > 0).astype(np.int32)
+  return x, y
+
+
+def test_saliency_keeps_the_groups_the_loss_needs():
+  # `_signal_problem`: the groups of the zero channels have saliency
+  # exactly 0 (magnitude would rank them by their random initial weights).
+  # Two of 8 groups kept: the two that carry the signal.
+  x, y = _signal_problem()
   model = _Linear()
   schedule = prune.GradualSchedule(
     0.25, steps=16, every=4, selection="saliency"
@@ -79,21 +85,24 @@ def test_saliency_keeps_the_groups_the_loss_needs():
   assert train.accuracy(model, x, y) > 0.9
 
 
-@pytest.mark.parametrize("budget", ["layer", "global"])
+@pytest.mark.parametrize("budget", ["layer", "global", "bytes"])
 def test_gates_keep_a_group_the_loss_needs(budget):
-  # The saliency test's problem with one group kept of 8: either signal
-  # carrier suffices (node 0's logit reading x4 or node 1's reading x0:
-  # only their difference counts). The six groups that carry nothing get
-  # no task gradient and the penalty closes their gates; the kept gate is
-  # folded into the weights at the last pruning, and the model leaves
-  # with masks and weights only.
-  rng = np.random.default_rng(0)
-  x = np.zeros((512, 8), np.float32)
-  x[:, [0, 4]] = rng.normal(size=(512, 2))
-  y = (x[:, 0] + x[:, 4] > 0).astype(np.int32)
+  # `_signal_problem` with one group kept of 8: either signal carrier
+  # suffices (node 0's logit reading x4 or node 1's reading x0: only their
+  # difference counts). The six groups that carry nothing get no task
+  # gradient and the penalty closes their gates; the kept gate is folded
+  # into the weights at the last pruning, and the model leaves with masks
+  # and weights only. (One mask: the budgets differ in how they count,
+  # not in what they keep; the bytes budget counts at one position.)
+  x, y = _signal_problem()
   model = _Linear()
   schedule = prune.GradualSchedule(
-    0.125, steps=32, every=4, selection="gates", budget=budget
+    0.125,
+    steps=32,
+    every=4,
+    selection="gates",
+    budget=budget,
+    input_shape=(1, 8) if budget == "bytes" else None,
   )
   config = train.TrainConfig(epochs=20, learning_rate=0.05)
   train.fit(model, x, y, config, schedule=schedule)
@@ -169,9 +178,13 @@ def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
     finetune_epochs=8,
     finetune_learning_rate=3e-3,
     sweep="0.1",
-    budget="layer,global",
+    budget="layer,global,bytes",
   )
   results = disco_train.run(settings, str(tmp_path))
+  # The ratio's bytes: what no mask removes (the logits gathered to node
+  # 0) plus 0.2 x the rest.
+  fixed = results["comm_bytes_no_comm"]
+  allowed = fixed + 0.2 * (results["comm_bytes_dense"] - fixed)
   assert (tmp_path / "results.json").exists()
   assert results["metric"] == "accuracy"
   for key in (
@@ -181,6 +194,9 @@ def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
   ).split():
     assert isinstance(results[key], (int, float)), key
   assert len(results["quality_disco_per_seed"]) == 1
+  # One seed: each list holds the first seed's figure.
+  assert results["comm_bytes_random_per_seed"] == [results["comm_bytes_random"]]
+  assert results["comm_bytes_disco_per_seed"] == [results["comm_bytes_disco"]]
   rows = results["sweep"]
   assert [(r["ratio"], r["selection"]) for r in rows] == [
     (0.1, "saliency"),
@@ -188,15 +204,16 @@ def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
     (0.1, "magnitude"),
     (0.1, "random"),
   ]
-  # The budget chosen on validation from the first seed's two DISCO runs,
-  # among those within the ratio's bytes (the layer budget always is).
+  # The budget chosen on validation from the first seed's three DISCO
+  # runs, among those within the ratio's bytes (the layer and bytes budgets
+  # always are).
   scores = results["budget_validation"]
-  assert sorted(scores) == ["global", "layer"] and scores["layer"]["allowed"]
-  allowed = [b for b in scores if scores[b]["allowed"]]
-  assert results["budget"] == max(allowed, key=lambda b: scores[b]["quality"])
+  assert sorted(scores) == ["bytes", "global", "layer"]
+  assert scores["layer"]["allowed"] and scores["bytes"]["allowed"]
+  fitting = [b for b in scores if scores[b]["allowed"]]
+  assert results["budget"] == max(fitting, key=lambda b: scores[b]["quality"])
   for row in scores.values():
-    fits = row["bytes"] <= 0.2 * results["comm_bytes_dense"]
-    assert row["allowed"] == fits
+    assert row["allowed"] == (row["bytes"] <= allowed)
   paired = results["paired_disco_minus_random"]
   assert paired["seeds"] == 1 and paired["low"] is None
   assert paired["mean"] == pytest.approx(
@@ -204,28 +221,41 @@ def test_experiment_writes_results_and_a_loadable_checkpoint(tmp_path):
   )
   assert rows[0]["comm_bytes"] < results["comm_bytes_disco"]
   assert (tmp_path / "sweep_classify.png").stat().st_size > 1000
-  assert results["comm_bytes_disco"] <= 0.2 * results["comm_bytes_dense"]
+  assert results["comm_bytes_disco"] <= allowed
   assert results["flops_disco"] <= 0.65 * results["flops_dense"]
   ratio = results["params_per_node_disco"] / results["params_per_node_dense"]
   assert ratio <= 0.35
   model = checkpoint.load(results["checkpoints"][0], expect="resnet")
-  assert prune.comm_ratio(model) <= 0.2
+  if results["budget"] != "bytes":  # it counts bytes, not groups
+    assert prune.comm_ratio(model) <= 0.2
+  # The bytes candidate fills the ratio's bytes to within one group,
+  # whichever budget won.
+  largest = max(int(c.max()) for c in metrics.group_bytes(model))
+  assert allowed - largest < scores["bytes"]["bytes"] <= allowed
   # The data it was trained on, for disco_infer to score the same split.
   assert checkpoint.data_settings(results["checkpoints"][0]) == {
     "task": "classify",
     "dataset": "synthetic",
     "image_size": 16,
   }
-  # Every mask at the requested ratio (the layer budget's floor), or the
-  # model's groups together (the global budget's).
+  # Every mask at the requested ratio (the layer budget's floor), the
+  # model's groups together (the global budget's) or their bytes (the
+  # bytes budget's: within one group's bytes of the ratio).
   groups = prune.mask_groups(model)
   kept = [int(g.kept().sum()) for g in groups]
   sizes = [int(g.cross.sum()) for g in groups]
   if results["budget"] == "layer":
     want = [math.floor(settings.comm_ratio * n + 1e-9) for n in sizes]
     assert kept == want
-  else:
+  elif results["budget"] == "global":
     assert sum(kept) == math.floor(settings.comm_ratio * sum(sizes) + 1e-9)
+  else:
+    costs = metrics.group_bytes(model)
+    sent = sum(
+      int(c[g.kept()].sum()) for c, g in zip(costs, groups, strict=True)
+    )
+    largest = max(int(c.max()) for c in costs)
+    assert allowed - largest < sent + fixed <= allowed
   assert results["quality_disco_validation_per_seed"][0] == pytest.approx(
     scores[results["budget"]]["quality"]
   )
@@ -251,6 +281,8 @@ def _results_page_follows_the_figures(out):
   saved = json.loads(source.read_text())
   assert f"{saved['quality_dense']:.4f}" in before
   assert f"{saved['comm_bytes_disco']:,}" in before
+  assert f"random {saved['comm_bytes_random']:,} (first seed)" in before
+  assert f"({saved['budget']}), DISCO's selection" in before
   assert "DISCO - random, paired by seed" in before
   saved["quality_disco"] = 0.12345
   source.write_text(json.dumps(saved))
@@ -297,7 +329,7 @@ def test_experiment_refuses_a_ratio_outside_0_1(tmp_path):
     ({"learning_rates": "0.1,0"}, "each of learning_rates must be .* > 0"),
     ({"sweep": "0.1,2"}, "communication ratio must be in"),
     ({"sweep": "0.1,x"}, "sweep takes ratios separated by commas"),  # raw
-    ({"budget": "layer,bogus"}, "budget takes layer and/or global"),
+    ({"budget": "layer,bogus"}, "budget takes one or more of layer"),
     ({"budget": "layer,layer"}, "each once"),
   ],
 )
