@@ -228,16 +228,9 @@ def count(model: nnx.Module, input_shape=None, *, itemsize: int = 4):
     MetricsError: no input shape is known, the model has no DISCO layer
       or abstract masks, or itemsize is not a positive int.
   """
-  _require_model(model)
-  require_int("itemsize", itemsize, 1, MetricsError)
-  require_concrete_masks(model, MetricsError)
-  input_shape = _input_shape(model, input_shape)
-  modules = dict(nnx.iter_modules(model))
-  disco_layers = [m for m in modules.values() if isinstance(m, DiscoLayer)]
-  if not disco_layers:
-    raise MetricsError(f"{type(model).__name__} has no DISCO layer to count")
-  num_nodes = disco_layers[0].num_nodes
-  calls, outputs = _trace(model, input_shape, num_nodes)
+  modules, num_nodes, calls, outputs = _checked_trace(
+    model, input_shape, itemsize
+  )
   costs = [modules[path].cost(x.shape, y.shape) for path, x, y in calls]
   traffic = _tensor_traffic(calls, costs, num_nodes, itemsize)
   layers = []
@@ -294,15 +287,7 @@ def group_bytes(
   Raises:
     MetricsError: as `count`.
   """
-  _require_model(model)
-  require_int("itemsize", itemsize, 1, MetricsError)
-  require_concrete_masks(model, MetricsError)
-  input_shape = _input_shape(model, input_shape)
-  modules = dict(nnx.iter_modules(model))
-  layers = [m for m in modules.values() if isinstance(m, DiscoLayer)]
-  if not layers:
-    raise MetricsError(f"{type(model).__name__} has no DISCO layer to count")
-  calls, _ = _trace(model, input_shape, layers[0].num_nodes)
+  modules, _, calls, _ = _checked_trace(model, input_shape, itemsize)
   read = {}  # mask id -> {tensor id: positions of the tensor}
   for path, x, _ in calls:
     module = modules[path]
@@ -503,6 +488,21 @@ class _Outputs(OneDevice):
     y = layer(x)
     self.seen.append((self.names[id(layer)], layer.out_split, y.shape))
     return y
+
+
+def _checked_trace(model, input_shape, itemsize):
+  """`count`'s checks, then `_trace`: (modules by path, nodes, calls,
+  outputs)."""
+  _require_model(model)
+  require_int("itemsize", itemsize, 1, MetricsError)
+  require_concrete_masks(model, MetricsError)
+  input_shape = _input_shape(model, input_shape)
+  modules = dict(nnx.iter_modules(model))
+  layers = [m for m in modules.values() if isinstance(m, DiscoLayer)]
+  if not layers:
+    raise MetricsError(f"{type(model).__name__} has no DISCO layer to count")
+  num_nodes = layers[0].num_nodes
+  return (modules, num_nodes, *_trace(model, input_shape, num_nodes))
 
 
 def _trace(model, input_shape, num_nodes):
