@@ -555,9 +555,13 @@ class HardConcreteGates:
     return jnp.clip(s * (cls.ZETA - cls.GAMMA) + cls.GAMMA, 0.0, 1.0)
 
   @classmethod
-  def open_probability(cls, log_alpha):
-    """P(z != 0) of each gate."""
-    return jax.nn.sigmoid(log_alpha - cls.BETA * np.log(-cls.GAMMA / cls.ZETA))
+  def open_probability(cls, log_alpha, host: bool = False):
+    """P(z != 0) of each gate; with `host` in numpy float64 (float32
+    saturates to 1 above log_alpha ~17, where a ranking needs it)."""
+    shifted = log_alpha - cls.BETA * np.log(-cls.GAMMA / cls.ZETA)
+    if host:
+      return 1.0 / (1.0 + np.exp(-np.asarray(shifted, np.float64)))
+    return jax.nn.sigmoid(shifted)
 
   @classmethod
   def open_fraction(cls, model: nnx.Module, log_alphas) -> jax.Array:
@@ -731,12 +735,7 @@ def _fill_bytes(groups, scores, costs, comm_ratio, selection) -> None:
       "(disco.metrics.with_masks(model, True))"
     )
   if selection == "gates":
-    # HardConcreteGates.open_probability in float64: float32 saturates to
-    # 1 above log_alpha ~17, and the ranking would be cheapest first.
-    shift = HardConcreteGates.BETA * np.log(
-      -HardConcreteGates.GAMMA / HardConcreteGates.ZETA
-    )
-    value = 1.0 / (1.0 + np.exp(-(value - shift)))
+    value = HardConcreteGates.open_probability(value, host=True)
   if selection == "random":
     key = value  # a random choice within the budget
   else:
