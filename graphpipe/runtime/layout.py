@@ -193,9 +193,10 @@ def batch_axis(small_shape, large_shape, key: str, source: str = "") -> int:
   return axes[0]
 
 
-def _check_sample_rows(program: Program, crossings) -> None:
+def _check_sample_rows(program: Program, crossings, probe: bool) -> None:
   """Values cut or joined between chunks of other sizes must hold each
-  sample's rows as one block (`graphpipe.frontend.samples`)."""
+  sample's rows as one block (`graphpipe.frontend.samples`); with `probe`,
+  also on made-up inputs."""
   crossings = sorted(crossings)
   apart = dict(program.form.apart)
   for key, src, dst in crossings:
@@ -211,7 +212,7 @@ def _check_sample_rows(program: Program, crossings) -> None:
   # A second line of defence: the same on made-up inputs. (Not where
   # layers normalise by their chunk's statistics: every value after them
   # changes with every sample of the chunk, by the semantics chosen.)
-  if program.statistic_nodes:
+  if program.statistic_nodes or not probe:
     return
   mixed = samples.mixed_values(program, {key for key, _, _ in crossings})
   for key, src, dst in crossings:
@@ -244,8 +245,17 @@ SUPPORTED_DTYPES = (
 )
 
 
-def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
-  """The static layout of `plan` over the captured `graph`."""
+def build_layout(
+  graph: OpGraph, plan: Plan, schedule: Schedule, *, probe: bool = True
+) -> Layout:
+  """The static layout of `plan` over the captured `graph`.
+
+  `probe=False` skips running the program on made-up inputs to find
+  values whose samples' rows are mixed (`samples.mixed_values`), the
+  second line of defence behind the captured program's own analysis: for
+  sizes only (`graphpipe.memory_report`; on paper-size models the probe
+  took 13 of the report's 14 s). A trainer always probes.
+  """
   program: Program = graph.program
   sizes = {s.id: s.micro_batch_size for s in plan.stages}
   for s in plan.stages:
@@ -371,7 +381,7 @@ def build_layout(graph: OpGraph, plan: Plan, schedule: Schedule) -> Layout:
       f"{chunks}): each would see statistics of another number of "
       "samples. Give those stages one micro-batch size per device"
     )
-  _check_sample_rows(program, rechunked)
+  _check_sample_rows(program, rechunked, probe)
   # Every cross-stage read must follow a stage edge.
   for s in plan.stages:
     for n in s.nodes:

@@ -77,7 +77,9 @@ def memory_report(
   if schedule is None or isinstance(schedule, str):
     schedule = schedule_for(plan, schedule)
   check_schedule(schedule)
-  layout = build_layout(graph, plan, schedule)
+  # Sizes only: the made-up-values probe is the trainer's (it runs the
+  # program, seconds on a paper-size model).
+  layout = build_layout(graph, plan, schedule, probe=False)
   builder = StepBuilder(
     layout,
     schedule,
