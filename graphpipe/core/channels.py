@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from graphpipe.core.stages import Plan
@@ -114,3 +115,22 @@ def plan_channels(plan: Plan) -> list[list[tuple]]:
       )
     )
   )
+
+
+def channel_count(plan: Plan) -> int:
+  """How many channels `plan`'s step uses (`len(plan_channels(plan))`).
+
+  Memoised on what the channels depend on (each stage's devices and
+  micro-batch size, the stage edges): the planners' local search prices
+  thousands of plans that differ only in which nodes a stage holds.
+  """
+  return _channel_count(
+    tuple(s.devices for s in plan.stages),
+    tuple(s.micro_batch_size for s in plan.stages),
+    tuple(plan.stage_edges),
+  )
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _channel_count(devices, sizes, edges) -> int:
+  return len(color_pairs(channel_items(overlaps(devices, sizes, edges))))

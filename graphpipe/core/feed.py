@@ -143,3 +143,20 @@ def plan_feeds(graph: OpGraph, plan: Plan) -> tuple[DeviceFeed, ...]:
     for s in plan.stages
   ]
   return device_feeds(graph.inputs, stages, plan.num_devices, plan.batch_size)
+
+
+def plan_feed_words(graph: OpGraph, plan: Plan) -> int:
+  """`feed_words(plan_feeds(graph, plan))`, without building the feeds
+  (the planners price thousands of plans)."""
+  specs = {i.name: i for i in graph.inputs}
+  words = 1
+  for s in plan.stages:
+    names = {k for n in s.nodes for k in graph.nodes[n].batch_inputs}
+    chunk = s.micro_batch_size // len(s.devices)
+    per = 0
+    for name in names:
+      spec = specs[name]
+      sample = math.prod(spec.shape) * itemsize(spec.dtype)
+      per += -(-chunk * sample // 4)
+    words = max(words, per * (plan.batch_size // s.micro_batch_size))
+  return words

@@ -25,8 +25,8 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from graphpipe.core.channels import plan_channels
-from graphpipe.core.feed import feed_words, plan_feeds
+from graphpipe.core.channels import channel_count
+from graphpipe.core.feed import plan_feed_words
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.errors import PlanError
@@ -327,7 +327,7 @@ def plan_holdings(
     ]
   )
   # The runtime's ppermute channels, exactly (`graphpipe.core.channels`).
-  channels = max(1, len(plan_channels(plan)))
+  channels = max(1, channel_count(plan))
   largest = lambda key: max(1, max(s[key] for s in per_stage))
   params = largest("params")
   stage_of = [-1] * plan.num_devices
@@ -345,7 +345,7 @@ def plan_holdings(
     + (largest("res") * most if not recompute else 1),
     channel_elements=channels * transfer,
     # Each device is fed its own rows of its stage's leaves, exactly.
-    batch_bytes=4 * feed_words(plan_feeds(graph, plan)),
+    batch_bytes=4 * plan_feed_words(graph, plan),
     work_bytes=max(s["work"] for s in per_stage),
     table_bytes=table_bytes(plan, channels),
     replicas=max(len(s.devices) for s in plan.stages),

@@ -277,21 +277,65 @@ class _ChainSolver:
     self.devices = devices
     finite = metric[np.isfinite(metric) & (ranges.capacity >= 1)]
     self.targets = sorted(set(finite.tolist()))
-    self._memo: tuple = (None, None, None)
+    self._need_memo: tuple = (None, None)
+    # target -> the fewest stages of any cover (`feasible`).
+    self._fewest: dict[float, int] = {}
 
   def _need(self, target: float, bound: int) -> np.ndarray:
     """need[first, last, after] for after < bound (_INF: none fits)."""
-    if self._memo[0] != target:
+    if self._need_memo[0] != target:
       ranges = self.ranges
       # Prefix sums give equal ranges (identical layers) values that
       # differ in the last bits; they must compare equal.
       within = self.metric <= target * (1 + 1e-9)
       most = min(len(ranges.chain.order), self.devices)
       afters = np.arange(1, most + 1)
-      fits = within[..., None] & (ranges.capacity[..., None] >= afters)
-      counts = np.asarray(ranges.counts)[None, None, :, None]
-      self._memo = (target, np.where(fits, counts, _INF).min(axis=2), None)
-    return self._memo[1][:, :, :bound]
+      n = len(ranges.chain.order)
+      need = np.full((n, n, most), _INF, dtype=np.int64)
+      # The fewest replicas that fit: counts ascend, so the smallest
+      # count that fits is written last.
+      for i in reversed(range(len(ranges.counts))):
+        room = np.where(within[:, :, i], ranges.capacity[:, :, i], 0)
+        need[room[:, :, None] >= afters] = ranges.counts[i]
+      self._need_memo = (target, need)
+    return self._need_memo[1][:, :, :bound]
+
+  def _fewest_stages(self, target: float) -> int:
+    """The fewest stages of any cover within `target` on the devices
+    (more than `most` stages: none).
+
+    From the back: cover[first, s] = fewest devices for first..n-1 in
+    exactly s stages (the stage starting at `first` has s - 1 after it,
+    which its memory must hold in flight) = min over last of
+    need[first, last, s - 1] + cover[last + 1, s - 1]. The class
+    docstring's table answers one bound at a time; this answers every
+    bound at once (`feasible`), computing need one column at a time and
+    stopping at the first s that fits.
+    """
+    if target not in self._fewest:
+      ranges = self.ranges
+      n = len(ranges.chain.order)
+      most = min(n, self.devices)
+      within = self.metric <= target * (1 + 1e-9)
+      rooms = [
+        np.where(within[:, :, i], ranges.capacity[:, :, i], 0)
+        for i in range(len(ranges.counts))
+      ]
+      after = np.full(n + 1, _INF, dtype=np.int64)
+      after[n] = 0  # nothing left, no stages
+      found = most + 1
+      for s in range(1, most + 1):
+        need = np.full((n, n), _INF, dtype=np.int64)
+        # Counts ascend: the smallest that holds s in flight wins.
+        for i in reversed(range(len(rooms))):
+          need = np.where(rooms[i] >= s, ranges.counts[i], need)
+        cover = np.minimum((need + after[None, 1:]).min(axis=1), _INF)
+        if cover[0] <= self.devices:
+          found = s
+          break
+        after[:n] = cover
+      self._fewest[target] = found
+    return self._fewest[target]
 
   def _table(self, target: float, bound: int, backs: bool = False):
     """The device table (see the class docstring), with the back pointers
@@ -313,8 +357,7 @@ class _ChainSolver:
     return padded[1:, :bound], need, front, back
 
   def feasible(self, target: float, bound: int) -> bool:
-    table, *_ = self._table(target, bound)
-    return table[-1, 0] <= self.devices
+    return self._fewest_stages(target) <= bound
 
   def solve(self, target: float, bound: int, shallowest: bool):
     """(stages used, [front-filled stages, back-filled stages])."""

@@ -16,7 +16,13 @@ from jax.sharding import PartitionSpec as P
 
 import graphpipe
 from graphpipe import PipelineRuntimeError, Trainer
-from graphpipe.core.feed import device_feeds, feed_words, plan_feeds
+from graphpipe.core.channels import channel_count, plan_channels
+from graphpipe.core.feed import (
+  device_feeds,
+  feed_words,
+  plan_feed_words,
+  plan_feeds,
+)
 from graphpipe.core.graph import InputSpec
 from graphpipe.runtime import feed
 from tests.graphpipe import runtime_cases as rc
@@ -146,3 +152,16 @@ def test_a_batch_put_once_steps_like_the_batch_itself():
   )
   with pytest.raises(PipelineRuntimeError, match="put it with this trainer"):
     other.put_batch(put)
+
+
+@pytest.mark.parametrize("name", ["two_branch", "dlrm", "mmt"])
+def test_planner_figures_equal_the_runtime_builders(name):
+  # The memory rule counts batch words and channels with shortcuts (no
+  # feeds built, channels memoised): they must equal what the runtime's
+  # builders give, on plans of every shape the planners make.
+  graph = rc.tiny_graph(name)
+  for num_devices in (1, 3, 8):
+    for planner in ("graphpipe", "sequential", "gpipe"):
+      p = graphpipe.plan(graph, num_devices, 16, planner=planner)
+      assert plan_feed_words(graph, p) == feed_words(plan_feeds(graph, p))
+      assert channel_count(p) == len(plan_channels(p))

@@ -352,3 +352,26 @@ def test_split_candidates_never_cost_the_plan_it_found_without_them(
   monkeypatch.setattr(engine, "split_branches", lambda graph, part, c: part)
   without = simulate(plan(graph, 8, batch), graph, v100).iteration_time_s
   assert found <= without * (1 + 1e-9), (found, without)
+
+
+@pytest.mark.parametrize("memory_bytes", [16e9, 2e9])
+def test_chain_feasibility_in_one_pass_agrees_with_the_table(memory_bytes):
+  # The sequential DP answers feasible(t, S) for every depth bound S from
+  # one pass per target; the table of the class docstring answers one
+  # bound at a time: the two must agree everywhere (a tight budget makes
+  # the in-flight counts bind).
+  graph = candle_like(3)
+  c = StageCosts(graph, V100, 64, 8, memory_bytes)
+  answers = []
+  for chain in baselines.SequentialPartitioner(graph, c).chains:
+    for b in (2, 8):
+      ranges = baselines._RangeCosts(chain, c, b)
+      for metric in (ranges.time_per_sample, ranges.steady_time_per_sample):
+        solver = baselines._ChainSolver(ranges, metric, 8)
+        most = min(len(chain.order), 8)
+        for target in solver.targets[:: max(1, len(solver.targets) // 40)]:
+          for bound in range(1, most + 1):
+            table, *_ = solver._table(target, bound)
+            answers.append(solver.feasible(target, bound))
+            assert answers[-1] == (table[-1, 0] <= 8)
+  assert len(answers) > 500 and 0.1 < sum(answers) / len(answers) < 0.9
