@@ -229,7 +229,9 @@ def assemble(
     planner: the planner's name, recorded in the plan.
     fingerprint: `graph_fingerprint(graph)`.
   """
-  devices = place_devices(graph, part, costs.cost_model, costs.num_devices)
+  devices = place_devices(
+    graph, part, costs.cost_model, costs.num_devices, costs.block_times
+  )
   edges = stage_edges(graph, part)
   order = _topological(part, edges)
   rank = {s: i for i, s in enumerate(order)}
@@ -270,7 +272,11 @@ def assemble(
 
 
 def place_devices(
-  graph: OpGraph, part: Partition, cost_model: CostModel, num_devices: int
+  graph: OpGraph,
+  part: Partition,
+  cost_model: CostModel,
+  num_devices: int,
+  block_times: dict | None = None,
 ) -> list[tuple[int, ...]]:
   """Device blocks for the stages of a partition.
 
@@ -294,21 +300,36 @@ def place_devices(
     part: stages and device counts.
     cost_model: prices the all-reduces.
     num_devices: devices available, 0..num_devices - 1.
+    block_times: a memo of the all-reduce times of blocks, for this cost
+      model (a search places thousands of partitions).
   """
+  if block_times is None:
+    block_times = {}
+
+  def block_time(params: int, start: int, k: int) -> float:
+    key = (params, start, k)
+    if key not in block_times:
+      block_times[key] = cost_model.allreduce_time(
+        params, range(start, start + k)
+      )
+    return block_times[key]
+
   free = [True] * num_devices
   devices: list[tuple[int, ...]] = [()] * len(part.stages)
   by_size = sorted(range(len(part.stages)), key=lambda i: -part.stages[i][1])
   for i in by_size:
     nodes, k = part.stages[i]
     params = graph.variable_bytes(nodes)
-    starts = [s for s in range(num_devices - k + 1) if all(free[s : s + k])]
+    # Starts of k free devices in a row (`run`: free devices ending at d).
+    starts, run = [], 0
+    for d in range(num_devices):
+      run = run + 1 if free[d] else 0
+      if run >= k:
+        starts.append(d - k + 1)
     if not starts:  # fragmented by sizes that are not powers of two
       devices[i] = tuple([d for d in range(num_devices) if free[d]][:k])
     elif k > 1:
-      start = min(
-        starts,
-        key=lambda s: (cost_model.allreduce_time(params, range(s, s + k)), s),
-      )
+      start = min(starts, key=lambda s: (block_time(params, s, k), s))
       devices[i] = tuple(range(start, start + k))
     else:
       devices[i] = (starts[0],)

@@ -228,23 +228,28 @@ class DPSolver:
     kids = self.tree.children[x]
     cover = [0] + [_INF] * len(kids)
     back: list[tuple | None] = [None] * (len(kids) + 1)
+    # A hot path like `series`: memo hits of `base` are read inline.
+    base_memo, base, better = self.base_memo, self.base, self._better
+    ranges, flight = self.tree.range_base, after + 1
     for i, kid in enumerate(kids):
       if trim is not None and trim[0] == i:
         own = self._head(kid, trim[1], depth, after)
       else:
         own = self.min_devices(kid, depth, after)[0]
-      if self._better(cover[i] + own, cover[i + 1]):
+      if better(cover[i] + own, cover[i + 1]):
         cover[i + 1], back[i + 1] = cover[i] + own, ("branch", i)
       for s in range(i - 1, -1, -1):
         if trim is not None and s <= trim[0] <= i:
           break  # a cut branch cannot share a stage with its neighbours
-        base_id = self.tree.range_base[(x, s, i)]
-        k = self.base(base_id, after + 1)
+        base_id = ranges[(x, s, i)]
+        k = base_memo.get((base_id, flight))
+        if k is None:
+          k = base(base_id, flight)
         if k >= _INF:
-          if self.base(base_id, 1) >= _INF:
+          if base(base_id, 1) >= _INF:
             break
           continue
-        if self._better(cover[s] + k, cover[i + 1]):
+        if better(cover[s] + k, cover[i + 1]):
           cover[i + 1], back[i + 1] = cover[s] + k, ("group", s, base_id, k)
     result = (cover[-1], tuple(back))
     self.memo[key] = result

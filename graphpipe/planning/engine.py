@@ -38,7 +38,7 @@ from graphpipe.planning.stage_costs import (
   StageCosts,
   estimate_iteration_time,
 )
-from graphpipe.simulator.engine import simulate
+from graphpipe.simulator.engine import simulated_iteration_time
 
 __all__ = [
   "PADDING_TOLERANCE",
@@ -132,9 +132,20 @@ def run_search(
   split: set[Partition] = set()  # candidates of `split_branches`
   first: list[Plan] = []  # with `any_feasible`: the first that fits
 
-  def evaluate(part: Partition) -> tuple | None:
+  def fits(p: Plan):
+    """(whether `p` fits the budget and the padding limit, its memory).
+    Every device holds what the largest stage needs (SPMD): the
+    runtime's per-device figure, not each stage's own, must fit."""
+    memory = plan_memory(graph, p)
+    ok = memory.largest_of(memory_kinds) <= costs.memory_bytes
+    if max_padding is not None:
+      ok = ok and memory.padding_fraction <= max_padding
+    return ok, memory
+
+  def evaluate(part: Partition, lazy: bool = False) -> tuple | None:
     """(estimate, in flight at the source, -b, plan, its memory), None if
-    over memory."""
+    over memory. `lazy`: the memory is checked later (`checked`), and
+    None stands for it until then."""
     if part not in candidates:
       p = assemble(graph, part, costs, planner, fingerprint)
       # Only what the trainer runs (a chunk the code traces at, no split
@@ -145,13 +156,9 @@ def run_search(
         for s in p.stages
       )
       candidates[part] = None
-      # Every device holds what the largest stage needs (SPMD): the
-      # runtime's per-device figure, not each stage's own, must fit.
-      if ok:
-        memory = plan_memory(graph, p)
-        ok = memory.largest_of(memory_kinds) <= costs.memory_bytes
-        if max_padding is not None:
-          ok = ok and memory.padding_fraction <= max_padding
+      memory = None
+      if ok and not (lazy and not any_feasible):
+        ok, memory = fits(p)
       if ok and any_feasible:
         first.append(p)  # not priced: the search stops here
         candidates[part] = (0.0, 0, 0, p, memory)
@@ -165,7 +172,15 @@ def run_search(
           p,
           memory,
         )
-    return candidates[part]
+    return candidates[part] if lazy else checked(part)
+
+  def checked(part: Partition) -> tuple | None:
+    """`part`'s candidate, its memory checked (None if over)."""
+    found = candidates.get(part)
+    if found is not None and found[4] is None:
+      ok, memory = fits(found[3])
+      candidates[part] = (*found[:4], memory) if ok else None
+    return candidates.get(part)
 
   for b, partition in itertools.product(sizes, partitioners):
     if first:
@@ -273,31 +288,41 @@ def run_search(
       seen.add(round(key[0], 12))
       starts.append(part)
 
-  def estimated(part: Partition) -> float | None:
-    found = evaluate(part)
+  def estimated(part: Partition, lazy: bool = False) -> float | None:
+    found = evaluate(part, lazy)
     return None if found is None else found[0]
 
   for part in starts:
     if part.schedule != "1f1b":
       continue
+    # The local search prices thousands of neighbours and keeps a few:
+    # their memory is checked only where one would be kept.
     refined = refine(
       graph,
       part,
       num_devices,
-      estimated,
+      lambda part: estimated(part, lazy=True),
       lambda nodes, k, b=part.micro_batch_size: costs.microbatch_time(
         nodes, b, k
       ),
       micro_batches=batch_size // part.micro_batch_size,
+      fits=lambda part: checked(part) is not None,
     )
     if per_stage:
       # Per-stage sizes (GraphPipe's extension): grow them from the
       # uniform plans found so far.
       for uniform in dict.fromkeys([part, refined]):
         grow_micro_batches(graph, uniform, batch_size, estimated)
-  found = sorted(
-    (c for c in candidates.values() if c is not None), key=lambda c: c[:3]
+  # In order of estimate, each candidate's memory checked (the local
+  # search's neighbours were not all checked).
+  found = (
+    checked(part)
+    for part, _ in sorted(
+      ((part, c) for part, c in candidates.items() if c is not None),
+      key=lambda pc: pc[1][:3],
+    )
   )
+  found = (c for c in found if c is not None)
   # The estimate is mostly a few percent under the event simulation, but
   # may be over it by up to `_ESTIMATE_OVER` (several micro-batches whose
   # fill the estimate charges in full): simulate the schedule each plan
@@ -323,7 +348,7 @@ def run_search(
       continue
     timed.add(twin)
     budget -= actions
-    seconds = simulate(c[3], graph, cost_model).iteration_time_s
+    seconds = simulated_iteration_time(c[3], graph, cost_model)
     close.append((seconds, *c[1:]))
     if best is None or (seconds, *c[1:3]) < best[:3]:
       best = (seconds, *c[1:])

@@ -140,6 +140,7 @@ def refine(
   busy: Callable[[tuple[int, ...], int], float],
   budget: int = DEFAULT_BUDGET,
   micro_batches: int | None = None,
+  fits: Callable[[Partition], bool] | None = None,
 ) -> Partition:
   """The best partition the beam search from `part` finds (module
   docstring); `part` itself when nothing better turns up.
@@ -176,6 +177,9 @@ def refine(
     budget: evaluations at most.
     micro_batches: micro-batches per iteration (None: many): at most
       `_FEW_MICRO_BATCHES`, the walk keeps `_WIDE_BEAM` plans a round.
+    fits: where `evaluate` leaves a check out (memory, the dearest), the
+      check: asked only of the plans the walk would keep, best first, so
+      the walk is the one it would be with the check inside `evaluate`.
   """
   if part.sizes:
     return part  # moves would have to carry sizes along: not searched
@@ -194,11 +198,19 @@ def refine(
       seen[key] = evaluate(state.partition(part))
     return seen[key]
 
+  checked: dict[tuple, bool] = {}  # by `_State.key`
+
+  def kept(state: _State) -> bool:
+    key = state.key()
+    if key not in checked:
+      checked[key] = fits is None or fits(state.partition(part))
+    return checked[key]
+
   state = _State(
     [mask_of(nodes) for nodes, _ in part.stages], [k for _, k in part.stages]
   )
   current = score(state)
-  if current is None:
+  if current is None or not kept(state):
     return part
 
   def neighbours(of: _State) -> list[tuple[float, _State]]:
@@ -228,13 +240,17 @@ def refine(
         key = move.key()
         if key not in expanded:
           pool[key] = (value, move)
-    beam = [
-      move for _, move in sorted(pool.values(), key=lambda x: x[0])[:width]
-    ]
-    if pool and min(pool.values(), key=lambda x: x[0])[0] < best[0] * (
-      1 - 1e-9
-    ):
-      best, stale = min(pool.values(), key=lambda x: x[0]), 0
+    # The best `width` that pass `fits`, in order (a stable sort: among
+    # equal scores, the order they were found in).
+    beam, lead = [], None
+    for value, move in sorted(pool.values(), key=lambda x: x[0]):
+      if len(beam) == width:
+        break
+      if kept(move):
+        beam.append(move)
+        lead = lead or (value, move)
+    if lead is not None and lead[0] < best[0] * (1 - 1e-9):
+      best, stale = lead, 0
     else:
       stale += 1
   return best[1].partition(part)

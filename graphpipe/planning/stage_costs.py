@@ -83,6 +83,9 @@ class StageCosts:
     self._far_device = num_devices - 1
     self._times: dict[float, tuple[np.ndarray, np.ndarray]] = {}
     self._cache: dict[tuple, object] = {}
+    # (parameter bytes, first device, devices) -> the all-reduce time of
+    # that block (`graphpipe.planning.assemble.place_devices`).
+    self.block_times: dict[tuple[int, int, int], float] = {}
 
   def replica_counts(self, micro_batch: int) -> list[int]:
     """Data-parallel degrees a stage of `micro_batch` may take
@@ -279,18 +282,28 @@ def estimate_iteration_time(
   size = [s.micro_batch_size for s in stages]
   count = [p.batch_size // b for b in size]
   share = [StageCosts.share(s.micro_batch_size, len(s.devices)) for s in stages]
-  fwd = [
-    sum(
-      cost_model.node_time(graph.nodes[i], share[s.id], "fwd") for i in s.nodes
-    )
-    for s in stages
-  ]
-  bwd = [
-    sum(
-      cost_model.node_time(graph.nodes[i], share[s.id], "bwd") for i in s.nodes
-    )
-    for s in stages
-  ]
+  if isinstance(cost_model, NodeTimes):
+    fwd = [
+      cost_model.stage_time(graph, s.nodes, share[s.id], "fwd") for s in stages
+    ]
+    bwd = [
+      cost_model.stage_time(graph, s.nodes, share[s.id], "bwd") for s in stages
+    ]
+  else:
+    fwd = [
+      sum(
+        cost_model.node_time(graph.nodes[i], share[s.id], "fwd")
+        for i in s.nodes
+      )
+      for s in stages
+    ]
+    bwd = [
+      sum(
+        cost_model.node_time(graph.nodes[i], share[s.id], "bwd")
+        for i in s.nodes
+      )
+      for s in stages
+    ]
   owner = p.stage_of_node()
   # A value read by several nodes of a stage travels once (as simulated).
   largest: dict[tuple[int, int], dict[int, tuple[float, float]]] = {}
@@ -300,8 +313,11 @@ def estimate_iteration_time(
       by_src = largest.setdefault((a, b), {})
       old = by_src.get(e.src, (0.0, 0.0))
       by_src[e.src] = (max(old[0], e.bytes), max(old[1], e.fixed_bytes))
-  preds = [p.predecessors(s) for s in range(n)]
-  succs = [p.successors(s) for s in range(n)]
+  preds = [[] for _ in range(n)]
+  succs = [[] for _ in range(n)]
+  for a, b in p.stage_edges:
+    succs[a].append(b)
+    preds[b].append(a)
   # One transfer carries the smaller micro-batch of the two ends; the
   # larger end sends or receives `pieces` of them per own micro-batch.
   transfer, pieces = {}, {}
@@ -416,6 +432,16 @@ class NodeTimes:
     key = (node.id, batch, kind)
     if key not in self._times:
       self._times[key] = self.model.node_time(node, batch, kind)
+    return self._times[key]
+
+  def stage_time(self, graph, nodes: tuple[int, ...], batch, kind) -> float:
+    """The sum of `nodes`' node times, memoised (the same stages recur
+    across the plans of a search)."""
+    key = (nodes, batch, kind)
+    if key not in self._times:
+      self._times[key] = sum(
+        self.node_time(graph.nodes[i], batch, kind) for i in nodes
+      )
     return self._times[key]
 
   def transfer_time(self, num_bytes, src, dst) -> float:

@@ -250,6 +250,64 @@ def simulate(
   else:
     check_schedule(schedule)
   _check_fit(plan, graph, schedule)
+  iteration_time, events, device_end = _timeline(
+    plan, graph, cost_model, schedule, lockstep, record=True
+  )
+  num_stages = plan.num_stages
+
+  busy = [0.0] * plan.num_devices
+  for e in events:
+    if e.category in _BUSY:
+      busy[e.device] += e.duration_s
+  used = sorted(device_end)
+  capacity = len(used) * iteration_time
+  bubble = 1.0 - sum(busy[d] for d in used) / capacity if capacity else 0.0
+  peak_stash = tuple(_peak_stash(schedule, s) for s in range(num_stages))
+  # The planner's and the runtime's rule: what the SPMD step holds on
+  # every device (`graphpipe.core.memory.plan_memory`).
+  memory = list(plan_memory(graph, plan, in_flight=peak_stash).totals)
+  device_stages: list[int | None] = [None] * plan.num_devices
+  for stage in plan.stages:
+    for device in stage.devices:
+      device_stages[device] = stage.id
+  return Report(
+    planner=plan.planner,
+    schedule_kind=schedule.kind,
+    batch_size=plan.batch_size,
+    iteration_time_s=iteration_time,
+    throughput_samples_per_s=(
+      plan.batch_size / iteration_time if iteration_time > 0 else float("inf")
+    ),
+    peak_memory_bytes=tuple(memory),
+    memory_capacity_bytes=float(cost_model.memory_bytes),
+    peak_stash=peak_stash,
+    busy_time_s=tuple(busy),
+    bubble_fraction=max(0.0, bubble),
+    device_stages=tuple(device_stages),
+    events=tuple(events),
+  )
+
+
+def simulated_iteration_time(
+  plan: Plan, graph: OpGraph, cost_model: CostModel
+) -> float:
+  """`simulate(plan, graph, cost_model).iteration_time_s`, without the
+  report (no trace, memory or bubble figures): what a planner ranks its
+  candidates by, thousands of times a search."""
+  schedule = schedule_for(plan)
+  _check_fit(plan, graph, schedule)
+  return _timeline(plan, graph, cost_model, schedule, False, record=False)[0]
+
+
+def _timeline(
+  plan: Plan,
+  graph: OpGraph,
+  cost_model: CostModel,
+  schedule: Schedule,
+  lockstep: bool,
+  record: bool,
+) -> tuple[float, list, dict]:
+  """(iteration time, trace events (with `record`), per device its end)."""
   num_stages = plan.num_stages
   share = [_per_device(s.micro_batch_size, len(s.devices)) for s in plan.stages]
   compute = {
@@ -284,7 +342,7 @@ def simulate(
       start = max(finish[action], link_free.get(link, 0.0))
       link_free[link] = start + duration
       latest = max(latest, start + duration)
-      if duration > 0:
+      if record and duration > 0:
         what = "act" if action.kind == FORWARD else "grad"
         events.append(
           timeline.TraceEvent(
@@ -312,7 +370,7 @@ def simulate(
     duration = compute[action.kind][stage]
     finish[action] = start + duration
     stage_free[stage] = start + duration
-    for device in plan.stages[stage].devices:
+    for device in plan.stages[stage].devices if record else ():
       events.append(
         timeline.TraceEvent(
           str(action),
@@ -363,7 +421,7 @@ def simulate(
     if params > 0:
       steps.append(("optimizer", cost_model.optimizer_time(params)))
     for name, duration in steps:
-      for device in stage.devices:
+      for device in stage.devices if record else ():
         events.append(
           timeline.TraceEvent(
             f"{name} {stage.id}",
@@ -377,39 +435,7 @@ def simulate(
       clock += duration
     for device in stage.devices:
       device_end[device] = clock
-  iteration_time = max(device_end.values())
-
-  busy = [0.0] * plan.num_devices
-  for e in events:
-    if e.category in _BUSY:
-      busy[e.device] += e.duration_s
-  used = sorted(device_end)
-  capacity = len(used) * iteration_time
-  bubble = 1.0 - sum(busy[d] for d in used) / capacity if capacity else 0.0
-  peak_stash = tuple(_peak_stash(schedule, s) for s in range(num_stages))
-  # The planner's and the runtime's rule: what the SPMD step holds on
-  # every device (`graphpipe.core.memory.plan_memory`).
-  memory = list(plan_memory(graph, plan, in_flight=peak_stash).totals)
-  device_stages: list[int | None] = [None] * plan.num_devices
-  for stage in plan.stages:
-    for device in stage.devices:
-      device_stages[device] = stage.id
-  return Report(
-    planner=plan.planner,
-    schedule_kind=schedule.kind,
-    batch_size=plan.batch_size,
-    iteration_time_s=iteration_time,
-    throughput_samples_per_s=(
-      plan.batch_size / iteration_time if iteration_time > 0 else float("inf")
-    ),
-    peak_memory_bytes=tuple(memory),
-    memory_capacity_bytes=float(cost_model.memory_bytes),
-    peak_stash=peak_stash,
-    busy_time_s=tuple(busy),
-    bubble_fraction=max(0.0, bubble),
-    device_stages=tuple(device_stages),
-    events=tuple(events),
-  )
+  return max(device_end.values()), events, device_end
 
 
 def _per_device(micro_batch: int, num_devices: int) -> int | float:

@@ -16,6 +16,7 @@ from graphpipe.planning.assemble import (
   split_branches,
 )
 from graphpipe.planning.candidates import Partition
+from graphpipe.planning.refine import refine
 from graphpipe.planning.search import PLANNERS, plan
 from graphpipe.planning.stage_costs import StageCosts, estimate_iteration_time
 from graphpipe.planning.validate import check_plan
@@ -375,3 +376,44 @@ def test_chain_feasibility_in_one_pass_agrees_with_the_table(memory_bytes):
             answers.append(solver.feasible(target, bound))
             assert answers[-1] == (table[-1, 0] <= 8)
   assert len(answers) > 500 and 0.1 < sum(answers) / len(answers) < 0.9
+
+
+def test_refine_checking_fits_lazily_walks_the_same_way():
+  # The search's local walk checks memory only for the plans it would
+  # keep (`fits`); with the check inside `evaluate` instead it must end at
+  # the same partition. Here `fits` refuses the fastest moves (more
+  # stages on the spare devices), so the two walks part at once if the
+  # lazy one keeps a plan it should not.
+  graph = candle_like(4)
+  c = StageCosts(graph, V100, 64, 16, 16e9)
+  start = Partition(  # a stage per branch, the join and head apart
+    tuple((tuple(range(b * 4, b * 4 + 4)), 1) for b in range(4))
+    + ((tuple(range(16, len(graph.nodes))), 1),),
+    micro_batch_size=8,
+  )
+
+  def timed(part):
+    return estimate_iteration_time(
+      assemble(graph, part, c, "graphpipe"), graph, V100
+    )
+
+  def busy(nodes, k):
+    return c.microbatch_time(nodes, 8, k)
+
+  moved = []
+  for most in (5, 6):
+    refused = []
+
+    def fits(part, most=most):
+      return len(part.stages) <= most
+
+    def checked(part, fits=fits, refused=refused):
+      refused.append(not fits(part))
+      return None if refused[-1] else timed(part)
+
+    eager = refine(graph, start, 16, checked, busy, budget=150)
+    lazy = refine(graph, start, 16, timed, busy, budget=150, fits=fits)
+    assert lazy == eager and fits(lazy)
+    assert 0.05 < sum(refused) / len(refused) < 0.95
+    moved.append(lazy != start)
+  assert any(moved)

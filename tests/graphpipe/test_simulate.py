@@ -14,7 +14,7 @@ from graphpipe.errors import SimulationError
 from graphpipe.schedules.builders import gpipe, one_f_one_b, schedule_for
 from graphpipe.simulator import timeline as trace
 from graphpipe.simulator.bounds import iteration_floor, node_floor
-from graphpipe.simulator.engine import simulate
+from graphpipe.simulator.engine import simulate, simulated_iteration_time
 from tests.graphpipe.test_schedule import (
   FEW,
   chain,
@@ -137,6 +137,19 @@ def test_no_plan_simulates_under_the_floor(plan, transfer, allreduce):
   for schedule in (one_f_one_b(plan), gpipe(plan)):
     report = simulate(plan, graph, costs, schedule)
     assert floor.seconds <= report.iteration_time_s * (1 + 1e-9)
+
+
+@FEW
+@given(plans(), st.floats(0.0, 2.0), st.floats(0.0, 1.0))
+def test_the_planners_untraced_time_is_the_simulated_one(
+  plan, transfer, allreduce
+):
+  # The planners rank candidates by `simulated_iteration_time` (no trace,
+  # memory or bubble): it must be the report's time, to the bit.
+  graph = make_graph((plan.num_stages, plan.stage_edges))
+  costs = UnitCosts(transfer, allreduce, 0.001)
+  report = simulate(plan, graph, costs)
+  assert simulated_iteration_time(plan, graph, costs) == report.iteration_time_s
 
 
 def test_a_slow_link_delays_the_receiver_and_queues_transfers():
