@@ -175,6 +175,7 @@ class OpGraph:
     self.program = program
     self.meta = dict(meta or {})
     self.shared = dict(shared or {})
+    self._held: dict[tuple, int] = {}  # `variable_bytes`, memoised
     self._validate()
     self._readers = {
       key: tuple(
@@ -229,7 +230,12 @@ class OpGraph:
     """Bytes of the parameters ('param') or non-trainable variables
     ('state') a stage of `nodes` holds: a variable several of them read
     counts once (its readers' `param_bytes` each include it)."""
-    nodes = list(nodes)
+    nodes = tuple(nodes)
+    # Memoised: the planners ask about the same stages thousands of times
+    # (the graph's nodes and shared variables never change).
+    found = self._held.get((nodes, kind))
+    if found is not None:
+      return found
     field = "param_bytes" if kind == "param" else "state_bytes"
     total = sum(getattr(self.nodes[n], field) for n in nodes)
     if self.shared:
@@ -239,6 +245,7 @@ class OpGraph:
           count = sum(n in inside for n in readers)
           if count > 1:
             total -= (count - 1) * self.shared[key]
+    self._held[(nodes, kind)] = total
     return total
 
   def exchanged_bytes(self, stage_nodes) -> int:
