@@ -22,8 +22,9 @@ improved for a few rounds or the evaluation budget is spent. Moves:
 Every neighbour is a valid partition: stages stay convex and the stage
 graph acyclic; in a chain (a sequential plan) stages stay in order with
 every operator edge going forward, and moves are between consecutive
-stages only. Memory is checked by `evaluate` (the plan's in-flight counts
-depend on the stage graph).
+stages only. Memory is checked by `evaluate`, or (`fits`) only for the
+plans the walk keeps, best first (the plan's in-flight counts depend on
+the stage graph).
 """
 
 from __future__ import annotations
