@@ -117,8 +117,7 @@ def device_feeds(
       blocks, offset = [], 0
       for name in sorted(set(names)):
         spec = specs[name]
-        sample = math.prod(spec.shape) * itemsize(spec.dtype)
-        words = -(-chunk * sample // 4)
+        words = _piece_words(spec, chunk)
         blocks.append(Block(name, tuple(spec.shape), spec.dtype, offset, words))
         offset += words * (batch_size // size)
       feeds[device] = DeviceFeed(
@@ -153,10 +152,11 @@ def plan_feed_words(graph: OpGraph, plan: Plan) -> int:
   for s in plan.stages:
     names = {k for n in s.nodes for k in graph.nodes[n].batch_inputs}
     chunk = s.micro_batch_size // len(s.devices)
-    per = 0
-    for name in names:
-      spec = specs[name]
-      sample = math.prod(spec.shape) * itemsize(spec.dtype)
-      per += -(-chunk * sample // 4)
+    per = sum(_piece_words(specs[name], chunk) for name in names)
     words = max(words, per * (plan.batch_size // s.micro_batch_size))
   return words
+
+
+def _piece_words(spec: InputSpec, chunk: int) -> int:
+  """32-bit words of `chunk` samples of leaf `spec` (padded to a word)."""
+  return -(-chunk * math.prod(spec.shape) * itemsize(spec.dtype) // 4)
