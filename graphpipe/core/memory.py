@@ -29,6 +29,7 @@ from graphpipe.core.channels import channel_count
 from graphpipe.core.feed import plan_feed_words
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.stages import Plan
+from graphpipe.core.zero import owned_elements
 from graphpipe.errors import PlanError
 
 # Adam keeps two fp32 moments per parameter; with the weights and their
@@ -121,6 +122,11 @@ class Holdings:
     replicas: devices of the largest data-parallel stage.
     own_param_elements: per device, its own stage's parameter elements.
     stages: per device, its stage (-1: none).
+    optimizer_elements: elements the optimizer state is kept over: the
+      parameter slots (0, the default), or with ZeRO-1 stages the owned
+      vector (`graphpipe.core.zero`).
+    own_optimizer_elements: per device, the elements of it the device
+      owns (default its own parameter elements).
   """
 
   param_elements: int
@@ -134,6 +140,8 @@ class Holdings:
   replicas: int
   own_param_elements: tuple[int, ...]
   stages: tuple[int, ...]
+  optimizer_elements: int = 0
+  own_optimizer_elements: tuple[int, ...] = ()
 
 
 def device_bytes(h: Holdings) -> dict[str, int]:
@@ -142,7 +150,9 @@ def device_bytes(h: Holdings) -> dict[str, int]:
   Gradients: the accumulator and the reduced result, both the size of the
   parameter slots; summing a data-parallel group (a ring all-reduce,
   `graphpipe.runtime.reduce`) also holds the slots cut into chunks and the
-  ring's partial sums, whatever the group's size.
+  ring's partial sums, whatever the group's size (a ZeRO-1 stage's
+  reduce-scatter and all-gather are the ring's two halves, and its owned
+  vectors are smaller than the slot-size updates they replace).
   Channels: what arrived, and what the forward and the backward send.
   Work: the largest action's transient memory, the gradients of its
   parameters and the slots they are scattered into (an embedding's
@@ -186,12 +196,17 @@ class MemoryReport:
   @classmethod
   def from_holdings(cls, h: Holdings, source: str) -> MemoryReport:
     kinds = device_bytes(h)
-    optimizer_per_element = h.optimizer_bytes / max(1, h.param_elements)
-    per_element = 4 + optimizer_per_element
+    per_element = h.optimizer_bytes / max(
+      1, h.optimizer_elements or h.param_elements
+    )
+    owned = h.own_optimizer_elements or h.own_param_elements
     held = kinds["parameters"] + kinds["optimizer"]
     return cls(
       per_device=tuple(dict(kinds) for _ in h.own_param_elements),
-      own_bytes=tuple(round(n * per_element) for n in h.own_param_elements),
+      own_bytes=tuple(
+        round(4 * n + per_element * o)
+        for n, o in zip(h.own_param_elements, owned, strict=True)
+      ),
       held_bytes=tuple(held for _ in h.own_param_elements),
       stages=h.stages,
       source=source,
@@ -330,16 +345,29 @@ def plan_holdings(
   channels = max(1, channel_count(plan))
   largest = lambda key: max(1, max(s[key] for s in per_stage))
   params = largest("params")
+  owned = owned_elements(
+    [
+      (sizes["params"], len(s.devices), s.sharding == "zero1")
+      for s, sizes in zip(plan.stages, per_stage, strict=True)
+    ],
+    # The slots are the largest stage's variables (or fewer, merged).
+    slot_count=max(
+      len({k for n in s.nodes for k in nodes[n].params}) for s in plan.stages
+    ),
+  )
   stage_of = [-1] * plan.num_devices
   own = [0] * plan.num_devices
+  own_opt = [0] * plan.num_devices
   for s, sizes in zip(plan.stages, per_stage, strict=True):
     for d in s.devices:
       stage_of[d], own[d] = s.id, sizes["params"]
+      own_opt[d] = owned.needed[s.id]
+  kept = owned.length if owned.sharded else params
   return Holdings(
     param_elements=params,
     state_elements=largest("state"),
     # The optimizer's scalars (a step count) besides its slots.
-    optimizer_bytes=4 * optimizer_slots * params + _OPTIMIZER_SCALARS,
+    optimizer_bytes=4 * optimizer_slots * kept + _OPTIMIZER_SCALARS,
     stash_elements=(largest("in") + largest("out")) * most
     + 2 * transfer
     + (largest("res") * most if not recompute else 1),
@@ -351,6 +379,8 @@ def plan_holdings(
     replicas=max(len(s.devices) for s in plan.stages),
     own_param_elements=tuple(own),
     stages=tuple(stage_of),
+    optimizer_elements=kept,
+    own_optimizer_elements=tuple(own_opt),
   )
 
 

@@ -44,6 +44,14 @@ class Stage:
     micro_batch_size: samples per micro-batch for this stage (split evenly
       over `devices`).
     in_flight: micro-batches whose activations the stage stashes (1F1B).
+    sharding: how the stage's devices hold its weights (`SHARDINGS`):
+      'replicated', every device a full copy of the parameters and the
+      optimizer state; 'zero1', full parameters but the optimizer state
+      sharded over the devices (ZeRO stage 1: the gradient all-reduce
+      becomes a reduce-scatter, each device updates its share, and an
+      all-gather of the updated parameters takes the all-reduce's second
+      half; see `graphpipe.runtime.zero`). Only a stage on several devices
+      can shard.
   """
 
   id: int
@@ -51,13 +59,33 @@ class Stage:
   devices: tuple[int, ...]
   micro_batch_size: int
   in_flight: int = 1
+  sharding: str = "replicated"
 
   def __str__(self) -> str:
+    shard = ", ZeRO-1" if self.sharding == "zero1" else ""
     return (
       f"stage {self.id}: nodes {list(self.nodes)} on devices "
       f"{list(self.devices)}, b={self.micro_batch_size}, "
-      f"in flight {self.in_flight}"
+      f"in flight {self.in_flight}{shard}"
     )
+
+
+# How a stage's devices may hold its weights (`Stage.sharding`).
+SHARDINGS = ("replicated", "zero1")
+
+
+def sharding_problem(stage: Stage) -> str | None:
+  """What is wrong with a stage's `sharding`, or None."""
+  if stage.sharding not in SHARDINGS:
+    return (
+      f"stage {stage.id}: sharding {stage.sharding!r} is not one of {SHARDINGS}"
+    )
+  if stage.sharding == "zero1" and len(stage.devices) < 2:
+    return (
+      f"stage {stage.id}: ZeRO-1 shards the optimizer state over the "
+      "stage's devices, and it has one (make it 'replicated')"
+    )
+  return None
 
 
 # Plan fields that live only in memory, never in the plan's JSON.
@@ -196,6 +224,8 @@ class Plan:
           devices=tuple(s["devices"]),
           micro_batch_size=s["micro_batch_size"],
           in_flight=s["in_flight"],
+          # (plans saved before stages could shard have no entry)
+          sharding=s.get("sharding", "replicated"),
         )
         for s in d["stages"]
       )

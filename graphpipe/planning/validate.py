@@ -9,7 +9,7 @@ from __future__ import annotations
 from graphpipe.core.fingerprint import made_for
 from graphpipe.core.graph import OpGraph
 from graphpipe.core.memory import over_budget, plan_memory
-from graphpipe.core.stages import Plan, in_flight_counts
+from graphpipe.core.stages import Plan, in_flight_counts, sharding_problem
 from graphpipe.errors import PlanError
 from graphpipe.planning.arguments import check_memory_bytes
 
@@ -72,6 +72,9 @@ def check_plan(p: Plan, graph: OpGraph, memory_bytes: float) -> None:
       or s.micro_batch_size % len(s.devices)
     ):
       problems.append(f"stage {s.id}: micro-batch does not split evenly")
+    problem = sharding_problem(s)
+    if problem:
+      problems.append(problem)
   if any(a >= b for a, b in p.stage_edges):
     problems.append("a stage edge goes backward")
   sizes = p.micro_batch_sizes

@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from graphpipe.core.graph import OpGraph
-from graphpipe.core.stages import Plan
+from graphpipe.core.stages import Plan, sharding_problem
 from graphpipe.errors import PipelineRuntimeError, ProcessLostError
 
 
@@ -98,6 +98,10 @@ def trainer_inputs(plan, optimizer, graph, mesh, axis: str):
       f"optax.adam(1e-3)), got {optimizer!r}"
     )
   check_elementwise(optimizer)
+  for stage in plan.stages:
+    problem = sharding_problem(stage)
+    if problem:
+      raise PipelineRuntimeError(problem)
   graph = captured_graph(plan, graph, "the trainer", "Trainer(plan, optimizer")
   if mesh is None:
     mesh = default_mesh(plan.num_devices, axis)

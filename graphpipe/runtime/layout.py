@@ -107,6 +107,7 @@ class StageLayout:
   streams: tuple[str, ...] = ()  # 'rng:' keys of random streams read
   # ('state:' key, node output key): variables its nodes update
   updates: tuple[tuple[str, str], ...] = ()
+  sharding: str = "replicated"  # `Stage.sharding`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,6 +410,7 @@ def build_layout(
         id=s.id,
         nodes=tuple(sorted(s.nodes)),
         devices=tuple(s.devices),
+        sharding=s.sharding,
         chunk=s.micro_batch_size // len(s.devices),
         size=s.micro_batch_size,
         params=tuple(

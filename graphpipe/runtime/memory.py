@@ -39,6 +39,7 @@ from graphpipe.runtime.buffers import Buffers
 from graphpipe.runtime.guards import captured_graph
 from graphpipe.runtime.layout import Layout, build_layout
 from graphpipe.runtime.step import StepBuilder
+from graphpipe.runtime.zero import ZeroOne
 from graphpipe.schedules.builders import schedule_for
 from graphpipe.schedules.checker import check_schedule
 
@@ -102,18 +103,23 @@ def runtime_report(
 ) -> MemoryReport:
   """The `MemoryReport` of a built layout, its buffers and tick tables."""
   table_bytes = sum(t.nbytes for t in tables.values())
+  owned = ZeroOne(layout, buf.params).owned
   slots = tuple(
     jax.ShapeDtypeStruct((n,), jnp.float32) for n in buf.params.sizes
   )
+  if owned.sharded:  # the optimizer runs on the owned vector
+    slots = jax.ShapeDtypeStruct((owned.length,), jnp.float32)
   opt_state = jax.eval_shape(optimizer.init, slots)
   optimizer_bytes = sum(
     x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state)
   )
   stage_of = [-1] * layout.num_devices
   own = [0] * layout.num_devices
+  own_opt = [0] * layout.num_devices
   for s in layout.stages:
     for d in s.devices:
       stage_of[d], own[d] = s.id, layout.param_size(s.id)
+      own_opt[d] = owned.needed[s.id]
   holdings = Holdings(
     param_elements=buf.params.total(),
     state_elements=buf.state.total(),
@@ -129,6 +135,8 @@ def runtime_report(
     replicas=max(len(s.devices) for s in layout.stages),
     own_param_elements=tuple(own),
     stages=tuple(stage_of),
+    optimizer_elements=owned.length if owned.sharded else 0,
+    own_optimizer_elements=tuple(own_opt),
   )
   return MemoryReport.from_holdings(holdings, "runtime")
 

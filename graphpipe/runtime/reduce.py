@@ -48,18 +48,12 @@ def ring_sum(
   sizes = sorted({len(g) for g in groups if len(g) > 1})
   if not sizes:
     return values
-  position = np.zeros(num_devices, np.int32)
-  size = np.ones(num_devices, np.int32)
-  for g in groups:
-    for i, d in enumerate(g):
-      position[d], size[d] = i, len(g)
+  position, size = places(groups, num_devices)
   me = lax.axis_index(axis)
   pos, mine = jnp.asarray(position)[me], jnp.asarray(size)[me]
   out = values
   for n in sizes:
-    ring = [
-      (g[i], g[(i + 1) % n]) for g in groups if len(g) == n for i in range(n)
-    ]
+    ring = ring_pairs(groups, n)
     # Devices of other groups run this ring on their own values too (one
     # program); what they compute is dropped below.
     at = jnp.mod(pos, n)
@@ -73,6 +67,15 @@ def ring_sum(
 def _ring(value, n: int, at, ring, axis: str):
   """`value` summed over a ring of n devices; `at` is this device's place."""
   length = value.shape[0]
+  return all_gather(
+    reduce_scatter(value, n, at, ring, axis), n, at, ring, axis
+  )[:length]
+
+
+def reduce_scatter(value, n: int, at, ring, axis: str):
+  """The first half of the ring: `value` padded to n chunks, and the whole
+  sum of chunk `owned_chunk(at, n)` over the ring (traced; [chunk])."""
+  length = value.shape[0]
   chunk = -(-length // n)
   own = jnp.pad(value, (0, n * chunk - length)).reshape(n, chunk)
   partial = own
@@ -80,7 +83,37 @@ def _ring(value, n: int, at, ring, axis: str):
     sent = lax.ppermute(partial[jnp.mod(at - t, n)], axis, ring)
     c = jnp.mod(at - 1 - t, n)
     partial = partial.at[c].set(sent + own[c])
+  return partial[owned_chunk(at, n)]
+
+
+def all_gather(chunk, n: int, at, ring, axis: str):
+  """The second half: every device's `chunk` (chunk `owned_chunk(at, n)`
+  of the whole) sent round the ring; the n chunks in order, flat."""
+  partial = jnp.zeros((n, chunk.shape[0]), chunk.dtype)
+  partial = partial.at[owned_chunk(at, n)].set(chunk)
   for t in range(n - 1):
     sent = lax.ppermute(partial[jnp.mod(at + 1 - t, n)], axis, ring)
     partial = partial.at[jnp.mod(at - t, n)].set(sent)
-  return partial.reshape(-1)[:length]
+  return partial.reshape(-1)
+
+
+def owned_chunk(at, n: int):
+  """The chunk the device at place `at` of a ring of n sums."""
+  return jnp.mod(at + 1, n)
+
+
+def places(groups: Sequence[Sequence[int]], num_devices: int):
+  """Per device, its place in its group and its group's size (numpy)."""
+  position = np.zeros(num_devices, np.int32)
+  size = np.ones(num_devices, np.int32)
+  for g in groups:
+    for i, d in enumerate(g):
+      position[d], size[d] = i, len(g)
+  return position, size
+
+
+def ring_pairs(groups: Sequence[Sequence[int]], n: int) -> list:
+  """The ppermute pairs of the rings of the groups of size n."""
+  return [
+    (g[i], g[(i + 1) % n]) for g in groups if len(g) == n for i in range(n)
+  ]

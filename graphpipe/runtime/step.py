@@ -495,6 +495,8 @@ class StepBuilder(StageCode):
     )
     gacc = tuple(g + p for g, p in zip(gacc, penalty_grads, strict=True))
     gacc = SharedGradients(self.layout, buf.params).exchange(gacc, me, AXIS)
-    groups = [s.devices for s in self.layout.stages]  # replicas' sum
+    # The replicas' sum (ZeRO-1 stages reduce-scatter instead, after the
+    # step: `graphpipe.runtime.zero`).
+    groups = [s.devices for s in self.layout.stages if s.sharding != "zero1"]
     gacc = reduce.ring_sum(gacc, groups, self.layout.num_devices, AXIS)
     return gacc, loss, new_state

@@ -22,6 +22,7 @@ from graphpipe.runtime import checkpoints, faults, feed, guards, slots
 from graphpipe.runtime.layout import build_layout
 from graphpipe.runtime.memory import trainer_report
 from graphpipe.runtime.step import AXIS, StepBuilder
+from graphpipe.runtime.zero import ZeroOne
 from graphpipe.schedules.builders import schedule_for
 from graphpipe.schedules.checker import built_for, check_schedule
 
@@ -149,6 +150,8 @@ class Trainer:
       inputs=graph.inputs,
     )
     self.buffers = self.builder.buffers
+    # ZeRO-1 stages: the optimizer runs on each device's owned elements.
+    self.zero = ZeroOne(self.layout, self.buffers.params)
     self._rows = NamedSharding(self.mesh, P(AXIS))
     self._replicated = NamedSharding(self.mesh, P())
     self._packer = None  # packs batches already on the mesh (put_batch)
@@ -161,7 +164,7 @@ class Trainer:
     self._step = jax.jit(self._shard(self._train_step), donate_argnums=0)
     self._init_opt = jax.jit(
       jax.shard_map(
-        lambda p: _rows(optimizer.init(_local(p))),
+        lambda p: _rows(optimizer.init(self._owned_params(_local(p)))),
         mesh=self.mesh,
         in_specs=P(AXIS),
         out_specs=P(AXIS),
@@ -181,11 +184,22 @@ class Trainer:
       check_vma=False,
     )
 
+  def _owned_params(self, params):
+    """What the optimizer updates on this device (inside shard_map): its
+    parameter slots, or with ZeRO-1 stages its owned elements
+    (`graphpipe.runtime.zero`)."""
+    if not self.zero.active:
+      return params
+    return self.zero.own_params(params, jax.lax.axis_index(AXIS), AXIS)
+
   def _train_step(self, ts: TrainState, batch, statistics):
-    params = _local(ts.params)
+    slots_now = _local(ts.params)
     grads, loss, state = self.builder.gradients_and_loss(
-      params, _local(ts.state), batch[0], statistics
+      slots_now, _local(ts.state), batch[0], statistics
     )
+    params = self._owned_params(slots_now)
+    if self.zero.active:
+      grads = self.zero.own_gradients(grads, jax.lax.axis_index(AXIS), AXIS)
     updates, opt_state = self.optimizer.update(
       grads, _local(ts.opt_state), params
     )
@@ -197,6 +211,10 @@ class Trainer:
       lambda a, b: jnp.where(finite, a, b), new, old
     )
     params = keep(optax.apply_updates(params, updates), params)
+    if self.zero.active:
+      params = self.zero.gather_params(
+        params, slots_now, jax.lax.axis_index(AXIS), AXIS
+      )
     opt_state = keep(opt_state, _local(ts.opt_state))
     # Variables the loss updates (running statistics) move on with the
     # parameters; the others are passed through untouched.
@@ -288,7 +306,11 @@ class Trainer:
     state = jax.tree.map(jnp.copy, state)
     fed = self.put_batch(batch, rng)
     _, metrics, grads = self._step(state, fed.words, fed.statistics)
-    return float(_first_shard(metrics["loss"])), self._gather(grads)
+    loss = float(_first_shard(metrics["loss"]))
+    if self.zero.active:
+      host = np.asarray(_all_rows(grads))
+      return loss, self.zero.assemble(host, self.layout.param_shapes)
+    return loss, self._gather(grads)
 
   def params(self, state: TrainState) -> dict:
     """Current parameters by 'param:' key, gathered to the host."""
@@ -369,6 +391,12 @@ class Trainer:
         list(self.buffers.params.sizes),
         list(self.buffers.state.sizes),
       ],
+      # (only where a stage shards: older checkpoints' marks stay valid)
+      **(
+        {"sharding": [s.sharding for s in self.layout.stages]}
+        if self.zero.active
+        else {}
+      ),
     }
 
   @functools.cached_property
@@ -459,16 +487,7 @@ class Trainer:
 
   def _gather(self, rows: tuple, layout=None, bits=False) -> dict:
     """Each stage's slots (from its first device) -> values by key."""
-    from jax.experimental import multihost_utils
-
-    host = [
-      np.asarray(
-        multihost_utils.process_allgather(x, tiled=True)
-        if jax.process_count() > 1
-        else x
-      )
-      for x in rows
-    ]
+    host = [_all_rows(x) for x in rows]
     out = {}
     for s in self.layout.stages:
       out.update(
@@ -481,6 +500,15 @@ class Trainer:
         )
       )
     return out
+
+
+def _all_rows(x) -> np.ndarray:
+  """Every device's row of a [devices, ...] array, on the host."""
+  from jax.experimental import multihost_utils
+
+  if jax.process_count() > 1:
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
 
 
 def _local(tree):

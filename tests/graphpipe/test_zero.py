@@ -1,0 +1,246 @@
+"""ZeRO-1 stages: the optimizer state sharded over a stage's devices trains
+exactly like plain JAX, and every device holds only what it owns."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import graphpipe
+from graphpipe import Trainer
+from graphpipe.core.memory import plan_memory
+from graphpipe.core.stages import Plan, Stage, in_flight_counts
+from graphpipe.core.zero import owned_elements
+from graphpipe.errors import GraphpipeError, PipelineRuntimeError, PlanError
+from graphpipe.planning.validate import check_plan
+from tests.graphpipe import runtime_cases as rc
+
+SGD = optax.sgd(0.1, momentum=0.9)  # linear in the gradients: exact steps
+
+
+def _plan(name, groups, sizes=None, batch_size=rc.BATCH):
+  """A 1F1B plan of stages (nodes, devices, sharding), micro-batch sizes
+  `sizes` (default 4 for every stage)."""
+  graph = rc.tiny_graph(name)
+  owner = {n: i for i, (nodes, _, _) in enumerate(groups) for n in nodes}
+  edges = tuple(
+    sorted(
+      {
+        (owner[e.src], owner[e.dst])
+        for e in graph.edges
+        if owner[e.src] != owner[e.dst]
+      }
+    )
+  )
+  sizes = sizes or [4] * len(groups)
+  flight = in_flight_counts(len(groups), edges, sizes)
+  stages = tuple(
+    Stage(i, tuple(nodes), tuple(devices), sizes[i], flight[i], sharding)
+    for i, (nodes, devices, sharding) in enumerate(groups)
+  )
+  used = sum(len(d) for _, d, _ in groups)
+  return Plan("manual", stages, edges, batch_size, used)
+
+
+# two_branch tiny: nodes 0-3 one branch, 4-7 the other, 8 the classifier.
+MIXED = [
+  ((0, 1, 2, 3), (0, 1, 2, 3), "zero1"),
+  ((4, 5), (4, 5), "replicated"),
+  ((6, 7, 8), (6, 7), "zero1"),
+]
+# Two ZeRO stages of one size and different parameter counts share a ring
+# and a chunk length; a one-device stage owns its whole stage.
+SHARED_RING = [
+  ((0, 1, 2, 3), (0, 1), "zero1"),
+  ((4, 5), (2, 3), "zero1"),
+  ((6, 7), (4,), "replicated"),
+  ((8,), (5, 6), "zero1"),
+]
+
+
+@pytest.mark.parametrize(
+  "groups,sizes,recompute",
+  [
+    pytest.param(MIXED, None, False, id="mixed"),
+    pytest.param(SHARED_RING, None, True, id="shared-ring-recompute"),
+    pytest.param(MIXED, [4, 4, 8], False, id="unequal-micro-batches"),
+  ],
+)
+def test_zero_stages_train_like_plain_jax(groups, sizes, recompute):
+  plan = _plan("two_branch", groups, sizes)
+  graph = rc.tiny_graph("two_branch")
+  check_plan(plan, graph, memory_bytes=2**34)
+  model, batch = rc.model_and_batch("two_branch")
+  trainer = Trainer(plan, SGD, graph=graph, recompute=recompute)
+  assert trainer.zero.active
+  batches = [batch] + [
+    rc.model_and_batch("two_branch", seed=s)[1] for s in (1, 2)
+  ]
+  rc.assert_trains_exactly("two_branch", trainer, model, batches, SGD)
+
+
+def test_a_planned_data_parallel_model_trains_exactly_with_zero_stages():
+  plan = rc.pipeline_plan("dlrm", 8, "graphpipe", 2)
+  assert max(len(s.devices) for s in plan.stages) > 1
+  zero = dataclasses.replace(
+    plan,
+    stages=tuple(
+      dataclasses.replace(s, sharding="zero1") if len(s.devices) > 1 else s
+      for s in plan.stages
+    ),
+  )
+  model, batch = rc.model_and_batch("dlrm")
+  trainer = Trainer(zero, SGD, graph=rc.tiny_graph("dlrm"))
+  batches = [batch] + [rc.model_and_batch("dlrm", seed=s)[1] for s in (1, 2)]
+  rc.assert_trains_exactly("dlrm", trainer, model, batches, SGD)
+
+
+def test_each_device_keeps_the_optimizer_state_of_its_share_only():
+  plan = _plan("two_branch", MIXED)
+  trainer = Trainer(plan, optax.adam(1e-2), graph=rc.tiny_graph("two_branch"))
+  sizes = [trainer.layout.param_size(s.id) for s in trainer.layout.stages]
+  slot_sizes = trainer.buffers.params.sizes
+  chunks = lambda n: sum(-(-s // n) for s in slot_sizes)
+  # A ZeRO device owns its chunk of every slot (stage 0, the largest, on 4
+  # devices: a quarter); the replicated stage 1 owns its whole stage, which
+  # sets the owned length; stage 2's devices own half of every slot, of
+  # which they need half their stage.
+  owned = trainer.zero.owned
+  assert owned.per_stage == (chunks(4), sizes[1], chunks(2))
+  assert owned.needed == (-(-sizes[0] // 4), sizes[1], -(-sizes[2] // 2))
+  assert owned.length == max(owned.per_stage) < sum(slot_sizes)
+  state = trainer.init(rc.model_and_batch("two_branch")[0])
+  mu = state.opt_state[0].mu
+  assert mu.shape == (8, owned.length)
+
+
+def test_memory_rule_counts_the_owned_optimizer_state():
+  plan = _plan("two_branch", MIXED)
+  graph = rc.tiny_graph("two_branch")
+  model, batch = rc.model_and_batch("two_branch")
+  trainer = Trainer(plan, optax.adam(1e-2), graph=graph)
+  report = trainer.memory_report(trainer.init(model), batch)
+  compiled = report["compiled_bytes"]
+  for total in report["total_bytes_per_device"]:
+    assert compiled <= total <= compiled + max(0.1 * compiled, 2**20)
+  alone = graphpipe.memory_report(plan, graph, optax.adam(1e-2))
+  bound = plan_memory(graph, plan)
+  owned = trainer.zero.owned.length
+  for mine, theirs in zip(alone.per_device, bound.per_device, strict=True):
+    assert mine["optimizer"] == 2 * 4 * owned + 4  # two moments, a count
+    assert mine["optimizer"] <= theirs["optimizer"]
+    assert sum(mine.values()) <= sum(theirs.values())
+  # The planner bounds the chunks without the slot sizes (by the largest
+  # stage's elements and its variable count), and counts 64 bytes of
+  # optimizer scalars where Adam keeps 4.
+  assert alone.padding_fraction == pytest.approx(
+    bound.padding_fraction, rel=2e-2
+  )
+  # Sharding lowers the padding: the replicated plan holds Adam's moments
+  # over the largest stage's slots on every device.
+  full = plan_memory(
+    graph,
+    dataclasses.replace(
+      plan,
+      stages=tuple(
+        dataclasses.replace(s, sharding="replicated") for s in plan.stages
+      ),
+    ),
+  )
+  assert sum(bound.padding_bytes) < sum(full.padding_bytes)
+  assert bound.largest_of(["optimizer"]) < full.largest_of(["optimizer"])
+  assert bound.largest < full.largest
+
+
+def test_checkpoints_of_zero_stages_resume_exactly(tmp_path):
+  plan = _plan("two_branch", MIXED)
+  graph = rc.tiny_graph("two_branch")
+  model, _ = rc.model_and_batch("two_branch")
+  trainer = Trainer(plan, optax.adam(1e-2), graph=graph)
+  state = trainer.init(model)
+  losses = []
+  for s in range(4):
+    state, metrics = trainer.step(state, rc.model_and_batch("two_branch", s)[1])
+    losses.append(metrics["loss"])
+    if s == 1:
+      trainer.save(state, str(tmp_path / "ckpt"))
+  resumed = trainer.restore(str(tmp_path / "ckpt"))
+  again = []
+  for s in range(2, 4):
+    resumed, metrics = trainer.step(
+      resumed, rc.model_and_batch("two_branch", s)[1]
+    )
+    again.append(metrics["loss"])
+  assert again == losses[2:]
+  replicated = dataclasses.replace(
+    plan,
+    stages=tuple(
+      dataclasses.replace(s, sharding="replicated") for s in plan.stages
+    ),
+  )
+  other = Trainer(replicated, optax.adam(1e-2), graph=graph)
+  with pytest.raises(GraphpipeError, match="another plan"):
+    other.restore(str(tmp_path / "ckpt"))
+
+
+def test_a_non_finite_step_leaves_zero_stages_unchanged():
+  plan = _plan("two_branch", MIXED)
+  model, batch = rc.model_and_batch("two_branch")
+  trainer = Trainer(plan, optax.adam(1e-2), graph=rc.tiny_graph("two_branch"))
+  state, _ = trainer.step(trainer.init(model), batch)
+  before = jax.tree.map(np.asarray, state)
+  bad = {k: np.array(v) for k, v in batch.items()}
+  bad["modality_0"][3, 2] = np.nan
+  state, metrics = trainer.step(state, bad)
+  assert not metrics["finite"]
+  after = jax.tree.map(np.asarray, state)
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_sharding_survives_json_and_bad_shardings_are_refused(tmp_path):
+  plan = _plan("two_branch", MIXED)
+  plan.save(str(tmp_path / "plan.json"))
+  loaded = Plan.load(str(tmp_path / "plan.json"))
+  assert [s.sharding for s in loaded.stages] == ["zero1", "replicated", "zero1"]
+  assert "ZeRO-1" in str(plan)
+  # A plan saved before stages could shard loads as replicated.
+  old = json.loads((tmp_path / "plan.json").read_text())
+  for s in old["stages"]:
+    del s["sharding"]
+  assert all(s.sharding == "replicated" for s in Plan.from_dict(old).stages)
+  graph = rc.tiny_graph("two_branch")
+  lonely = _plan(
+    "two_branch",
+    [((0, 1, 2, 3), (0,), "zero1"), ((4, 5, 6, 7, 8), (1,), "replicated")],
+  )
+  with pytest.raises(PlanError, match="ZeRO-1 .* has one"):
+    check_plan(lonely, graph, memory_bytes=2**34)
+  with pytest.raises(PipelineRuntimeError, match="ZeRO-1 .* has one"):
+    Trainer(lonely, SGD, graph=graph)
+  odd = dataclasses.replace(
+    plan,
+    stages=(dataclasses.replace(plan.stages[0], sharding="zero3"),)
+    + plan.stages[1:],
+  )
+  with pytest.raises(PipelineRuntimeError, match="'zero3' is not one of"):
+    Trainer(odd, SGD, graph=graph)
+
+
+def test_owned_elements_take_the_most_any_device_owns():
+  stages = [(10, 4, True), (7, 4, True), (5, 2, True), (3, 1, False)]
+  owned = owned_elements(stages, slots=(6, 4))
+  # ceil(6 / n) + ceil(4 / n) elements of the slots, whatever the stage's
+  # own size; a stage that does not shard owns its whole stage.
+  assert owned.chunks == {2: 5, 4: 3}
+  assert owned.per_stage == (3, 3, 5, 3)
+  assert owned.needed == (3, 2, 3, 3)
+  assert owned.length == 5
+  # The planner's bound without the slot sizes, from a count of slots.
+  bound = owned_elements(stages, slot_count=2)
+  assert bound.chunks == {2: 6, 4: 4} and bound.length == 6
+  assert not owned_elements([(10, 4, False)]).sharded
+  assert owned_elements([(10, 4, False)]).length == 10
