@@ -65,6 +65,7 @@ def run(
   padding_tolerance: float | None = None,
   max_padding: float | None = None,
   piper_budget: int = PIPER_BUDGET,
+  stage_shardings: tuple[str, ...] = ("replicated",),
 ) -> dict:
   """Captures, plans, schedules and simulates; writes DIR's files.
 
@@ -87,6 +88,9 @@ def run(
     max_padding: `graphpipe.plan`'s hard limit on the padding fraction
       (None: no limit).
     piper_budget: stages Piper may price before it gives up.
+    stage_shardings: `graphpipe.plan`'s layouts a stage may take
+      (('replicated', 'zero1'): stages on several devices shard their
+      optimizer state, ZeRO-1).
 
   Returns:
     The dict written to results.json.
@@ -121,6 +125,7 @@ def run(
     padding_tolerance=padding_tolerance,
     max_padding=max_padding,
     piper_budget=piper_budget,
+    stage_shardings=stage_shardings,
   )
   common.log(f"{plan}\n[3/4] simulated: {report}")
   memory = memory_figures(plan, graph)
@@ -261,6 +266,12 @@ def define_flags() -> None:
     "held beyond each device's own stage, a share of all held) is at most "
     "this; default no limit.",
   )
+  flags.DEFINE_list(
+    "stage_shardings",
+    ["replicated"],
+    "Layouts a stage may take: replicated, or replicated,zero1 (stages on "
+    "several devices shard their optimizer state, ZeRO-1).",
+  )
   common.define_piper_budget()
   common.define_out()
 
@@ -282,6 +293,7 @@ def main(argv):
       padding_tolerance=options.padding_tolerance,
       max_padding=options.max_padding,
       piper_budget=options.piper_budget,
+      stage_shardings=tuple(options.stage_shardings),
     )
   except GraphpipeError as err:
     raise SystemExit(f"experiments.plan: {err}") from err

@@ -67,9 +67,14 @@ def stage_memory_bytes(
   in_flight: int,
   optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS,
   kinds: Sequence[str] = KINDS,
+  optimizer_share: int = 1,
 ) -> float:
   """Bytes of `kinds` a stage alone makes every device hold
   (`device_bytes`' kinds).
+
+  `optimizer_share`: the devices a ZeRO-1 stage shards its optimizer
+  state over (each keeps at least ceil(P / k) of its P parameters' slots;
+  `graphpipe.core.zero`); 1 for a replicated stage.
 
   Its parameters (slots at least that large on every device), their
   gradients (accumulator and result), optimizer slots and the work term
@@ -93,8 +98,11 @@ def stage_memory_bytes(
   work = 0
   if "work" in kinds:
     work = work_bytes(graph, nodes, micro_batch_per_device)
-  per_param = param_multiple(kinds, optimizer_slots)
-  return params * per_param + work + state + saved * in_flight
+  per_param = param_multiple([k for k in kinds if k != "optimizer"])
+  optimizer = 0
+  if "optimizer" in kinds:
+    optimizer = 4 * optimizer_slots * -(-(params // 4) // optimizer_share)
+  return params * per_param + optimizer + work + state + saved * in_flight
 
 
 def param_multiple(kinds, optimizer_slots=DEFAULT_OPTIMIZER_SLOTS) -> int:
@@ -410,6 +418,7 @@ def memory_floor(
   graph: OpGraph,
   optimizer_slots: int = DEFAULT_OPTIMIZER_SLOTS,
   kinds: Sequence[str] = KINDS,
+  shardings: Sequence[str] = ("replicated",),
 ) -> tuple[int, str]:
   """A lower bound of the bytes every device holds in any plan of `graph`,
   on any number of devices, and the node that sets it.
@@ -421,14 +430,17 @@ def memory_floor(
   rows (more devices feed each fewer) or transient work, no data-parallel
   copies), so it is never above
   `plan_memory(graph, p).largest` for any plan p. Each kind is bounded
-  alone, so the sum over `kinds` bounds `largest_of(kinds)` too.
+  alone, so the sum over `kinds` bounds `largest_of(kinds)` too. Where
+  `shardings` allow ZeRO-1 stages, a stage on enough devices keeps
+  almost none of its optimizer state, and the bound counts none.
   """
   heaviest = max(graph.nodes, key=lambda n: n.param_bytes)
   params = max(1, heaviest.param_bytes // 4)
+  kept = 0 if "zero1" in shardings else params
   floor = Holdings(
     param_elements=params,
     state_elements=max(1, max(n.state_bytes // 4 for n in graph.nodes)),
-    optimizer_bytes=4 * optimizer_slots * params + _OPTIMIZER_SCALARS,
+    optimizer_bytes=4 * optimizer_slots * kept + _OPTIMIZER_SCALARS,
     stash_elements=0,
     channel_elements=0,
     batch_bytes=0,

@@ -124,3 +124,25 @@ def _sizes(batch_size: int, requested: Sequence[int] | None) -> list[int]:
       + ("..." if len(divisors) > 12 else "")
     )
   return sorted({int(b) for b in requested})
+
+
+def check_shardings(shardings) -> tuple[str, ...]:
+  """`plan`'s `stage_shardings` as a tuple, or PlanError."""
+  from graphpipe.core.stages import SHARDINGS
+
+  if isinstance(shardings, str):
+    shardings = (shardings,)
+  try:
+    shardings = tuple(shardings)
+  except TypeError:
+    shardings = None
+  if (
+    not shardings
+    or "replicated" not in shardings
+    or not set(shardings) <= set(SHARDINGS)
+  ):
+    raise PlanError(
+      f"stage_shardings must list 'replicated' and any of {SHARDINGS[1:]} "
+      f"(the layouts stages may take), got {shardings!r}"
+    )
+  return shardings

@@ -252,6 +252,7 @@ def assemble(
       devices=devices[s],
       micro_batch_size=sizes[i],
       in_flight=in_flight[i],
+      sharding=costs.sharding(len(devices[s])),
     )
     for i, s in enumerate(order)
   )

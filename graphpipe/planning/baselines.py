@@ -43,7 +43,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from graphpipe.core.graph import OpGraph
-from graphpipe.core.memory import param_multiple
+from graphpipe.core.memory import DEFAULT_OPTIMIZER_SLOTS, param_multiple
 from graphpipe.planning.candidates import (
   DEPTH_GRID,
   Partition,
@@ -190,9 +190,16 @@ class _RangeCosts:
     # bound that left out the work term and a gradient copy let ranges
     # that `in_flight_capacity` refuses win the DP, and hid the chains
     # that fit).
-    per_param = param_multiple(kinds)
+    per_param = param_multiple([kind for kind in kinds if kind != "optimizer"])
     for i, k in enumerate(self.counts):
       share = costs.share(micro_batch, k)
+      optimizer = 0
+      if "optimizer" in kinds:  # a ZeRO-1 stage keeps a k-th of it
+        optimizer = (
+          4
+          * DEFAULT_OPTIMIZER_SLOTS
+          * np.ceil((params // 4) / costs.optimizer_share(k))
+        )
       work = np.zeros((n, n))
       if "work" in kinds:
         work = np.ceil(
@@ -204,7 +211,7 @@ class _RangeCosts:
             ]
           )
         )
-      static = params * per_param + work + state
+      static = params * per_param + optimizer + work + state
       fwd, bwd = costs.node_times(share)
       compute = _range_sums([fwd[v] + bwd[v] for v in order])
       saved = _range_sums(

@@ -103,6 +103,7 @@ def run_search(
   feasible_only: bool = False,
   max_padding: float | None = None,
   any_feasible: bool = False,
+  shardings: Sequence[str] = ("replicated",),
 ) -> Plan | None:
   """The fastest candidate plan (see the module docstring), or None.
 
@@ -115,11 +116,18 @@ def run_search(
   With `max_padding`, candidates whose padding fraction is over it do not
   count, and data-parallel copies of the whole model are candidates too.
   `padding_tolerance` None: `PADDING_TOLERANCE` as it is at call time.
+  `shardings`: the stage layouts plans may use (`StageCosts`).
   """
   if padding_tolerance is None:
     padding_tolerance = PADDING_TOLERANCE
   costs = StageCosts(
-    graph, cost_model, batch_size, num_devices, memory_bytes, memory_kinds
+    graph,
+    cost_model,
+    batch_size,
+    num_devices,
+    memory_bytes,
+    memory_kinds,
+    shardings,
   )
   partitioners = [_partitioner(graph, planner, costs, piper_budget)]
   if max_padding is not None and planner == "graphpipe":
@@ -235,6 +243,7 @@ def run_search(
         num_devices,
         memory_bytes * factor,
         memory_kinds,
+        shardings,
       )
       offer = _partitioner(graph, planner, other, piper_budget)
       some = sorted(sizes)[:_LOOSER_SIZES] if factor > 1 else sizes
@@ -465,6 +474,7 @@ def fits(
   sizes: Sequence[int],
   memory_kinds: Sequence[str] = KINDS,
   piper_budget: int = PIPER_BUDGET,
+  shardings: Sequence[str] = ("replicated",),
 ) -> bool:
   """Whether `plan`'s search has a candidate within `memory_bytes` (the
   partitioners' candidates priced; no local search or simulation): false
@@ -480,6 +490,7 @@ def fits(
     memory_kinds=memory_kinds,
     any_feasible=True,
     piper_budget=piper_budget,
+    shardings=shardings,
   )
   return found is not None
 
@@ -492,6 +503,7 @@ def unlimited_plan(
   cost_model: CostModel,
   sizes: Sequence[int],
   piper_budget: int = PIPER_BUDGET,
+  shardings: Sequence[str] = ("replicated",),
 ) -> Plan | None:
   """`plan`'s search without a memory limit (None: no plan at all)."""
   return run_search(
@@ -503,4 +515,5 @@ def unlimited_plan(
     math.inf,
     sizes,
     piper_budget=piper_budget,
+    shardings=shardings,
   )

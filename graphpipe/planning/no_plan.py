@@ -30,6 +30,7 @@ def padding_error(
   max_padding,
   kinds,
   piper_budget=PIPER_BUDGET,
+  shardings=("replicated",),
 ) -> PlanError:
   """Says the least padding a plan that fits can have (bisected to 0.02)."""
   low, high, least = max_padding, 1.0, None
@@ -47,6 +48,7 @@ def padding_error(
       feasible_only=True,
       max_padding=middle,
       piper_budget=piper_budget,
+      shardings=shardings,
     )
     if found is None:
       low = middle
@@ -75,10 +77,11 @@ def _unbounded_fit(
   sizes,
   kinds=KINDS,
   piper_budget=PIPER_BUDGET,
+  shardings=("replicated",),
 ):
   """The plan searched without a memory limit, if it fits `memory`."""
   found = unlimited_plan(
-    graph, devices, batch, planner, model, sizes, piper_budget
+    graph, devices, batch, planner, model, sizes, piper_budget, shardings
   )
   ok = found is not None and _peak_memory(found, graph, kinds) <= memory
   return found if ok else None
@@ -95,6 +98,7 @@ def no_plan_error(
   unlimited,
   kinds=KINDS,
   piper_budget=PIPER_BUDGET,
+  shardings=("replicated",),
 ):
   """Says what memory (or how many devices) would have allowed a plan;
   `unlimited` is the plan searched without a memory limit (or None); the
@@ -107,7 +111,7 @@ def no_plan_error(
     )
   # No plan on any number of devices holds less than the floor: the
   # bisection starts there, and more devices are no remedy below it.
-  floor, heaviest = memory_floor(graph, kinds=kinds)
+  floor, heaviest = memory_floor(graph, kinds=kinds, shardings=shardings)
   # Bisect the per-device memory to 1% (a budget over the unlimited plan's
   # peak fits: `plan` falls back to that plan).
   low = max(float(memory), float(floor))
@@ -115,7 +119,16 @@ def no_plan_error(
   while high > low * 1.01:
     middle = math.sqrt(low * high)
     found = fits(
-      graph, devices, batch, planner, model, middle, sizes, kinds, piper_budget
+      graph,
+      devices,
+      batch,
+      planner,
+      model,
+      middle,
+      sizes,
+      kinds,
+      piper_budget,
+      shardings,
     )
     low, high = (low, middle) if found else (middle, high)
   more, more_devices = None, devices
@@ -124,8 +137,11 @@ def no_plan_error(
   ):
     more_devices = min(2 * more_devices, 64)
     args = (graph, more_devices, batch, planner, model, memory, sizes)
-    feasible = fits(*args, kinds, piper_budget)
-    if feasible or _unbounded_fit(*args, kinds, piper_budget) is not None:
+    feasible = fits(*args, kinds, piper_budget, shardings)
+    if (
+      feasible
+      or _unbounded_fit(*args, kinds, piper_budget, shardings) is not None
+    ):
       more = more_devices
   hint = f", or use at least {more} devices" if more else ""
   counted = "" if set(kinds) == set(KINDS) else f" of {', '.join(kinds)}"

@@ -49,6 +49,7 @@ from graphpipe.planning.arguments import (
   PLANNERS,
   check_arguments,
   check_memory_bytes,
+  check_shardings,
   searched_sizes,
 )
 from graphpipe.planning.engine import fits, run_search
@@ -72,6 +73,7 @@ def plan(
   memory_kinds: Sequence[str] = KINDS,
   padding_tolerance: float | None = None,
   max_padding: float | None = None,
+  stage_shardings: Sequence[str] = ("replicated",),
 ) -> Plan:
   """A stage graph for `graph` on `num_devices` devices.
 
@@ -121,6 +123,13 @@ def plan(
       and optimizer bytes devices hold beyond their own stage's, a share of
       all they hold): the fastest plan within it, data-parallel copies of
       the whole model included. None: no limit.
+    stage_shardings: the layouts a stage may take
+      (`graphpipe.core.stages.SHARDINGS`), the same for every planner:
+      ('replicated',) as in the paper, or ('replicated', 'zero1') to let
+      every stage on several devices shard its optimizer state (ZeRO-1,
+      `graphpipe.runtime.zero`: a k-th of the optimizer state per device
+      for the same communication, so such stages always take it, and the
+      search counts the memory it frees).
 
   Raises:
     PlanError: no plan fits (the message names the smallest per-device
@@ -141,6 +150,7 @@ def plan(
     memory_kinds,
     piper_budget,
   )
+  shardings = check_shardings(stage_shardings)
   num_devices, batch_size = int(num_devices), int(batch_size)
   device_name = recorded_name(device)
   if cost_model is None:
@@ -164,6 +174,7 @@ def plan(
     memory_kinds=memory_kinds,
     padding_tolerance=padding_tolerance,
     max_padding=max_padding,
+    shardings=shardings,
   )
   if best is None:
     # The partitioners bound memory conservatively (non-series-parallel
@@ -174,6 +185,7 @@ def plan(
     options = {
       "padding_tolerance": padding_tolerance,
       "piper_budget": piper_budget,
+      "shardings": shardings,
     }
     unlimited = run_search(
       *args, math.inf, sizes, **options, max_padding=max_padding
@@ -183,16 +195,28 @@ def plan(
     ):
       best = unlimited
     elif max_padding is not None and fits(
-      *args, memory_bytes, sizes, memory_kinds, piper_budget
+      *args, memory_bytes, sizes, memory_kinds, piper_budget, shardings
     ):
       raise padding_error(
-        *args, memory_bytes, sizes, max_padding, memory_kinds, piper_budget
+        *args,
+        memory_bytes,
+        sizes,
+        max_padding,
+        memory_kinds,
+        piper_budget,
+        shardings,
       )
     else:
       if max_padding is not None:
         unlimited = run_search(*args, math.inf, sizes, **options)
       raise no_plan_error(
-        *args, memory_bytes, sizes, unlimited, memory_kinds, piper_budget
+        *args,
+        memory_bytes,
+        sizes,
+        unlimited,
+        memory_kinds,
+        piper_budget,
+        shardings,
       )
   return dataclasses.replace(
     best,

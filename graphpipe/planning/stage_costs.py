@@ -63,6 +63,12 @@ class StageCosts:
     memory_bytes: capacity of one device.
     memory_kinds: the kinds of `graphpipe.core.memory.KINDS` that
       `memory_bytes` bounds (`graphpipe.plan`'s `memory_kinds`).
+    shardings: the stage layouts plans may use
+      (`graphpipe.core.stages.SHARDINGS`); with 'zero1' every stage on
+      several devices shards its optimizer state (ZeRO-1: the same
+      communication as the all-reduce, a k-th of the optimizer's state
+      and update, so it is never the worse layout), and its memory and
+      optimizer time count that.
   """
 
   def __init__(
@@ -73,9 +79,12 @@ class StageCosts:
     num_devices: int,
     memory_bytes: float,
     memory_kinds: Sequence[str] = KINDS,
+    shardings: Sequence[str] = ("replicated",),
   ):
     self.graph = graph
     self.memory_kinds = tuple(memory_kinds)
+    self.shardings = tuple(shardings)
+    self.zero = "zero1" in self.shardings
     self.cost_model = cost_model
     self.batch_size = batch_size
     self.num_devices = num_devices
@@ -160,7 +169,18 @@ class StageCosts:
     reduce = 0.0
     if num_devices > 1:
       reduce = self.cost_model.allreduce_time(params, range(num_devices))
-    return reduce + self.cost_model.optimizer_time(params)
+    return reduce + self.cost_model.optimizer_time(
+      params / self.optimizer_share(num_devices)
+    )
+
+  def optimizer_share(self, num_devices: int) -> int:
+    """Devices a stage on `num_devices` shards its optimizer over (1: it
+    replicates it)."""
+    return num_devices if self.zero and num_devices > 1 else 1
+
+  def sharding(self, num_devices: int) -> str:
+    """The layout a stage on `num_devices` takes."""
+    return "zero1" if self.optimizer_share(num_devices) > 1 else "replicated"
 
   def microbatch_time(
     self, nodes: Sequence[int], micro_batch: int, num_devices: int
@@ -209,10 +229,13 @@ class StageCosts:
   ) -> int:
     """Most in-flight micro-batches that fit memory (-1: not even weights)."""
     share = self.share(micro_batch, num_devices)
-    key = ("cap", tuple(nodes), share)
+    key = ("cap", tuple(nodes), share, self.optimizer_share(num_devices))
     if key not in self._cache:
       nodes = list(nodes)
-      kinds = {"kinds": self.memory_kinds}
+      kinds = {
+        "kinds": self.memory_kinds,
+        "optimizer_share": self.optimizer_share(num_devices),
+      }
       static = stage_memory_bytes(self.graph, nodes, share, 0, **kinds)
       per_flight = (
         stage_memory_bytes(self.graph, nodes, share, 1, **kinds) - static
@@ -413,7 +436,7 @@ def estimate_iteration_time(
     params = graph.variable_bytes(stages[s].nodes)
     sync = exchange
     if params > 0:
-      sync += cost_model.optimizer_time(params)
+      sync += cost_model.optimizer_time(params / updated_share(stages[s]))
       if len(stages[s].devices) > 1:
         sync += cost_model.allreduce_time(params, stages[s].devices)
     end = max(end, backward_end[s] + sync)
@@ -452,3 +475,9 @@ class NodeTimes:
 
   def optimizer_time(self, param_bytes) -> float:
     return self.model.optimizer_time(param_bytes)
+
+
+def updated_share(stage) -> int:
+  """The devices a planned stage's optimizer update is split over (ZeRO-1:
+  each updates a k-th)."""
+  return len(stage.devices) if stage.sharding == "zero1" else 1

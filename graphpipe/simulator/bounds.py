@@ -6,9 +6,11 @@
 Whatever the plan, each node sits in a stage on some k devices, and those
 devices do, one after another (`graphpipe.simulate`'s event model): the
 node's forward and backward over their share of the batch, the stage's
-all-reduce (k > 1) and its optimizer step, both over at least the node's
-parameters. The bound takes, for every node, the fewest seconds that costs
-over k = 1 .. num_devices (the k devices placed as close as they can be,
+all-reduce (k > 1) over at least the node's parameters, and its optimizer
+step over at least a k-th of them (a ZeRO-1 stage splits the update,
+`graphpipe.runtime.zero`; a replicated one takes longer). The bound
+takes, for every node, the fewest seconds that costs over k = 1 ..
+num_devices (the k devices placed as close as they can be,
 the whole batch as one micro-batch, nothing else in the stage), and the
 largest of these over the nodes. No plan the simulator times under the
 same cost model is faster, provided a node's time per sample does not grow
@@ -60,7 +62,7 @@ def node_floor(
     >>> head = next(n.id for n in graph.nodes if n.name == "head.layers.0")
     >>> seconds, devices = node_floor(graph, head, 1024, 32, v100)
     >>> round(seconds * 1e3, 1), devices  # ms at the batch of 32 devices
-    (34.6, 4)
+    (31.2, 4)
   """
   node = graph.nodes[node_id]
   params = node.param_bytes
@@ -72,7 +74,9 @@ def node_floor(
     if params > 0:
       if k > 1:
         seconds += cost_model.allreduce_time(params, tuple(range(k)))
-      seconds += cost_model.optimizer_time(params)
+      # ZeRO-1 splits the update over the k devices (the layout that
+      # takes least time, whatever the plan chose).
+      seconds += cost_model.optimizer_time(params / k)
     best = min(best, (seconds, k))
   return best
 

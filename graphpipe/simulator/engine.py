@@ -419,7 +419,9 @@ def _timeline(
         ("allreduce", cost_model.allreduce_time(params, stage.devices))
       )
     if params > 0:
-      steps.append(("optimizer", cost_model.optimizer_time(params)))
+      # (a ZeRO-1 stage's devices each update a k-th)
+      share = len(stage.devices) if stage.sharding == "zero1" else 1
+      steps.append(("optimizer", cost_model.optimizer_time(params / share)))
     for name, duration in steps:
       for device in stage.devices if record else ():
         events.append(

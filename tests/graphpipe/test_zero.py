@@ -14,11 +14,14 @@ from graphpipe import Trainer
 from graphpipe.core.memory import plan_memory
 from graphpipe.core.stages import Plan, Stage, in_flight_counts
 from graphpipe.core.zero import owned_elements
+from graphpipe.costs import AnalyticCostModel, device_spec
 from graphpipe.errors import GraphpipeError, PipelineRuntimeError, PlanError
+from graphpipe.models import capture_zoo
 from graphpipe.planning.validate import check_plan
 from tests.graphpipe import runtime_cases as rc
 
 SGD = optax.sgd(0.1, momentum=0.9)  # linear in the gradients: exact steps
+V100 = AnalyticCostModel(device_spec("v100"))
 
 
 def _plan(name, groups, sizes=None, batch_size=rc.BATCH):
@@ -85,15 +88,8 @@ def test_zero_stages_train_like_plain_jax(groups, sizes, recompute):
 def test_a_planned_data_parallel_model_trains_exactly_with_zero_stages():
   plan = rc.pipeline_plan("dlrm", 8, "graphpipe", 2)
   assert max(len(s.devices) for s in plan.stages) > 1
-  zero = dataclasses.replace(
-    plan,
-    stages=tuple(
-      dataclasses.replace(s, sharding="zero1") if len(s.devices) > 1 else s
-      for s in plan.stages
-    ),
-  )
   model, batch = rc.model_and_batch("dlrm")
-  trainer = Trainer(zero, SGD, graph=rc.tiny_graph("dlrm"))
+  trainer = Trainer(_sharded(plan), SGD, graph=rc.tiny_graph("dlrm"))
   batches = [batch] + [rc.model_and_batch("dlrm", seed=s)[1] for s in (1, 2)]
   rc.assert_trains_exactly("dlrm", trainer, model, batches, SGD)
 
@@ -244,3 +240,74 @@ def test_owned_elements_take_the_most_any_device_owns():
   assert bound.chunks == {2: 6, 4: 4} and bound.length == 6
   assert not owned_elements([(10, 4, False)]).sharded
   assert owned_elements([(10, 4, False)]).length == 10
+
+
+# Planning with ZeRO-1 stages.
+
+ZERO = ("replicated", "zero1")
+
+
+@pytest.mark.parametrize("planner", ["graphpipe", "sequential", "gpipe"])
+def test_planners_shard_data_parallel_stages_and_plan_faster_under_a_budget(
+  planner,
+):
+  graph = capture_zoo("two_branch", "paper")
+  plan = graphpipe.plan(graph, 8, 8, planner=planner, stage_shardings=ZERO)
+  check_plan(plan, graph, memory_bytes=V100.memory_bytes)
+  assert any(len(s.devices) > 1 for s in plan.stages)
+  for s in plan.stages:
+    assert s.sharding == ("zero1" if len(s.devices) > 1 else "replicated")
+  # The same options for every planner. Under the memory of the default
+  # plan with its data-parallel stages sharded, that plan (replicated)
+  # no longer fits, and the search with ZeRO-1 finds a faster plan than
+  # the search without.
+  default = graphpipe.plan(graph, 8, 8, planner=planner)
+  budget = plan_memory(graph, _sharded(default)).largest
+  assert plan_memory(graph, default).largest > budget
+  time = lambda p: graphpipe.simulate(p, graph).iteration_time_s
+  with_zero = graphpipe.plan(
+    graph, 8, 8, planner=planner, stage_shardings=ZERO, memory_bytes=budget
+  )
+  without = graphpipe.plan(graph, 8, 8, planner=planner, memory_bytes=budget)
+  assert plan_memory(graph, with_zero).largest <= budget
+  assert time(with_zero) < 0.99 * time(without)
+
+
+def _sharded(plan):
+  return dataclasses.replace(
+    plan,
+    stages=tuple(
+      dataclasses.replace(s, sharding="zero1") if len(s.devices) > 1 else s
+      for s in plan.stages
+    ),
+  )
+
+
+def test_the_simulator_splits_a_zero_stage_update_over_its_devices():
+  graph = capture_zoo("two_branch", "paper")
+  plan = graphpipe.plan(graph, 8, 8, stage_shardings=ZERO)
+  replicated = dataclasses.replace(
+    plan,
+    stages=tuple(
+      dataclasses.replace(s, sharding="replicated") for s in plan.stages
+    ),
+  )
+  fast = graphpipe.simulate(plan, graph)
+  slow = graphpipe.simulate(replicated, graph)
+  assert fast.iteration_time_s <= slow.iteration_time_s
+  for s in plan.stages:
+    params = graph.variable_bytes(s.nodes)
+    want = V100.optimizer_time(params / len(s.devices))
+    got = [
+      e.duration_s
+      for e in fast.events
+      if e.category == "optimizer" and e.device == s.devices[0]
+    ]
+    assert got == [pytest.approx(want)]
+
+
+def test_bad_stage_shardings_are_refused():
+  graph = capture_zoo("two_branch", "tiny")
+  for bad in [("zero1",), ("replicated", "zero3"), (), 3]:
+    with pytest.raises(PlanError, match="stage_shardings must list"):
+      graphpipe.plan(graph, 2, 8, stage_shardings=bad)
