@@ -8,6 +8,13 @@ A folder without it is a save that did not finish (or no checkpoint) and
 anything, so a crash while overwriting a checkpoint cannot leave an old
 mark over new, partial arrays. `latest` finds the newest committed
 checkpoint among the folders of a directory, skipping unfinished ones.
+
+The mark also records the plan, so a checkpoint restores into a trainer
+of another plan of the same graph (another partition, device count or
+stage layouts, `graphpipe.runtime.relayout`): its arrays are read onto one
+device, turned into values by key (parameters, non-trainable variables,
+each part of the optimizer state that mirrors the parameters) and laid
+out anew.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ def save(trainer, state, directory: str) -> None:
           "signature": trainer._signature(),
           "step": step,
           "optimizer": _optimizer_layout(trainer),
+          "plan": trainer.plan.to_dict(),
         },
         f,
       )
@@ -132,9 +140,17 @@ def restore(trainer, directory: str):
       "graphpipe.runtime.checkpoints.latest to find the last complete one"
     )
   if mark["signature"] != trainer._signature():
+    same_graph = mark["signature"].get("graph") == trainer._signature()["graph"]
+    if same_graph and isinstance(mark.get("plan"), dict):
+      return _restore_other_plan(trainer, directory, mark)
     raise PipelineRuntimeError(
       "this checkpoint was written for another plan or graph "
       f"(saved {mark['signature']}, this trainer {trainer._signature()})"
+      + (
+        ""
+        if same_graph
+        else "; a checkpoint moves between plans of one graph only"
+      )
     )
   # Marks written before the optimizer was recorded have no entry.
   saved = mark.get("optimizer", _optimizer_layout(trainer))
@@ -208,3 +224,73 @@ def latest(root: str) -> str | None:
     if mark is not None and mark["step"] > best_step:
       best, best_step = path, mark["step"]
   return best
+
+
+def _restore_other_plan(trainer, directory: str, mark: dict):
+  """A checkpoint of another plan of this graph, laid out for `trainer`
+  (read whole onto one device: one process only)."""
+  import jax.numpy as jnp
+  import orbax.checkpoint as ocp
+  from jax.sharding import SingleDeviceSharding
+
+  from graphpipe.core.stages import Plan
+  from graphpipe.runtime import relayout
+
+  if jax.process_count() > 1:
+    raise PipelineRuntimeError(
+      f"{directory} was written for another plan: moving a checkpoint "
+      "between plans runs in one process (restore it there, save it with "
+      "the new plan's trainer, and restore that in the multi-process run)"
+    )
+  saved = Plan.from_dict(mark["plan"])
+  view = relayout.view_of_plan(trainer.graph, saved)
+  one = SingleDeviceSharding(jax.devices()[0])
+  num = saved.num_devices
+
+  def rows(shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct((num, *shape), dtype, sharding=one)
+
+  opt = jax.tree.map(
+    lambda x: rows(x.shape, x.dtype),
+    jax.eval_shape(trainer.optimizer.init, view.optimizer_input()),
+  )
+  layout = {
+    "tree": str(jax.tree.structure(opt)),
+    "shapes": [list(x.shape) for x in jax.tree.leaves(opt)],
+  }
+  if mark.get("optimizer", layout) != layout:
+    raise PipelineRuntimeError(
+      "this checkpoint was written with another optimizer: build the "
+      "Trainer with the optimizer the run was saved with"
+    )
+  target = trainer._expected_state._replace(
+    params=tuple(rows((n,)) for n in view.params.sizes),
+    state=tuple(rows((n,)) for n in view.state.sizes),
+    opt_state=opt,
+    step=jax.ShapeDtypeStruct((), jnp.int32, sharding=one),
+  )
+  try:
+    with ocp.StandardCheckpointer() as checkpointer:
+      state = checkpointer.restore(os.path.join(directory, STATE), target)
+  except Exception as err:  # orbax and tensorstore raise many kinds
+    raise PipelineRuntimeError(
+      f"{directory}: the saved arrays cannot be read ({type(err).__name__}: "
+      f"{str(err)[:300]}); the checkpoint is damaged"
+    ) from None
+  form = relayout.layout_free(
+    view,
+    state.params,
+    state.state,
+    state.opt_state,
+    trainer.optimizer,
+    mark["step"],
+  )
+  new = trainer.state_from_values({**form.params, **form.state}, form.step)
+  leaves = relayout.optimizer_rows(
+    relayout.view_of_trainer(trainer), form, trainer.optimizer
+  )
+  return new._replace(
+    opt_state=jax.tree.unflatten(
+      jax.tree.structure(new.opt_state), list(trainer._to_rows(leaves))
+    )
+  )

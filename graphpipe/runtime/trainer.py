@@ -377,7 +377,9 @@ class Trainer:
     checkpoints.save(self, state, directory)
 
   def restore(self, directory: str) -> TrainState:
-    """Reads a state written by `save` for this same plan and graph."""
+    """Reads a state written by `save`, for this plan or another plan of
+    the same graph (moved to this trainer's layout, one process:
+    `graphpipe.runtime.relayout`)."""
     return checkpoints.restore(self, directory)
 
   def _signature(self) -> dict:

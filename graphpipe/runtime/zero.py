@@ -39,7 +39,7 @@ from jax import lax
 
 from graphpipe.core.zero import Owned, owned_elements
 from graphpipe.runtime import reduce
-from graphpipe.runtime.slots import host_values
+from graphpipe.runtime.slots import host_slots, host_values
 
 
 class ZeroOne:
@@ -233,3 +233,29 @@ class ZeroOne:
         out[key] = packed[at : at + n].reshape(shape).astype(dtype)
         at += n
     return out
+
+  def host_owned(self, values: dict) -> np.ndarray:
+    """Inverse of `assemble`: every device's owned elements ([devices,
+    owned length], numpy) of the values by key."""
+    rows = np.zeros((self.layout.num_devices, self.owned.length), np.float32)
+    for s in self.layout.stages:
+      if s.sharding != "zero1":
+        packed = np.concatenate(
+          [np.asarray(values[k], np.float32).reshape(-1) for k in s.params]
+          or [np.zeros(0, np.float32)]
+        )
+        for d in s.devices:
+          rows[d, : packed.size] = packed
+        continue
+      n = len(s.devices)
+      whole = host_slots(self.slots, s.id, values)
+      for i, d in enumerate(s.devices):
+        k = (i + 1) % n
+        pieces = []
+        for slot in whole:
+          c = -(-slot.size // n)
+          padded = np.pad(slot, (0, n * c - slot.size))
+          pieces.append(padded[k * c : (k + 1) * c])
+        owned = np.concatenate(pieces)
+        rows[d, : owned.size] = owned
+    return rows

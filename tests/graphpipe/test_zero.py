@@ -171,15 +171,74 @@ def test_checkpoints_of_zero_stages_resume_exactly(tmp_path):
     )
     again.append(metrics["loss"])
   assert again == losses[2:]
-  replicated = dataclasses.replace(
+
+
+@pytest.mark.parametrize(
+  "target",
+  [
+    pytest.param(lambda plan: _replicated(plan), id="replicated"),
+    pytest.param(
+      lambda plan: rc.pipeline_plan("two_branch", 4, "sequential"),
+      id="4-device-chain",
+    ),
+    pytest.param(
+      lambda plan: _plan("two_branch", [(tuple(range(9)), (0, 1), "zero1")]),
+      id="one-zero-stage",
+    ),
+  ],
+)
+def test_a_checkpoint_restores_into_another_plan_and_trains_on(
+  tmp_path, target
+):
+  plan = _plan("two_branch", MIXED)
+  graph = rc.tiny_graph("two_branch")
+  model, _ = rc.model_and_batch("two_branch")
+  batches = [rc.model_and_batch("two_branch", s)[1] for s in range(4)]
+  trainer = Trainer(plan, SGD, graph=graph)
+  state = trainer.init(model)
+  for b in batches[:2]:
+    state, _ = trainer.step(state, b)
+  trainer.save(state, str(tmp_path / "ckpt"))
+  other = Trainer(target(plan), SGD, graph=graph)
+  moved = other.restore(str(tmp_path / "ckpt"))
+  assert int(np.asarray(moved.step)) == 2
+  # Pure data movement: the parameters are the saved bits.
+  want, got = trainer.params(state), other.params(moved)
+  for key in want:
+    np.testing.assert_array_equal(got[key], want[key])
+  # The momentum moved too: the next steps are the original run's.
+  losses, again = [], []
+  for b in batches[2:]:
+    state, metrics = trainer.step(state, b)
+    losses.append(metrics["loss"])
+    moved, metrics = other.step(moved, b)
+    again.append(metrics["loss"])
+  np.testing.assert_allclose(again, losses, rtol=1e-5)
+  assert rc.max_rel_error(other.params(moved), trainer.params(state)) < 1e-5
+
+
+def test_a_checkpoint_does_not_restore_into_another_graph(tmp_path):
+  plan = _plan("two_branch", MIXED)
+  trainer = Trainer(plan, SGD, graph=rc.tiny_graph("two_branch"))
+  state = trainer.init(rc.model_and_batch("two_branch")[0])
+  trainer.save(state, str(tmp_path / "ckpt"))
+  other = Trainer(
+    rc.pipeline_plan("dlrm", 4, "sequential"), SGD, graph=rc.tiny_graph("dlrm")
+  )
+  with pytest.raises(GraphpipeError, match="another plan or graph"):
+    other.restore(str(tmp_path / "ckpt"))
+  adam = Trainer(_replicated(plan), optax.adam(1e-2), graph=trainer.graph)
+  with pytest.raises(GraphpipeError, match="another optimizer"):
+    adam.restore(str(tmp_path / "ckpt"))
+
+
+def _replicated(plan):
+  return dataclasses.replace(
     plan,
     stages=tuple(
       dataclasses.replace(s, sharding="replicated") for s in plan.stages
     ),
   )
-  other = Trainer(replicated, optax.adam(1e-2), graph=graph)
-  with pytest.raises(GraphpipeError, match="another plan"):
-    other.restore(str(tmp_path / "ckpt"))
 
 
 def test_a_non_finite_step_leaves_zero_stages_unchanged():
