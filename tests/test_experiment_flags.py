@@ -80,6 +80,12 @@ ROWS = [
     ["--batch_size=3", "--microbatches=2"],
     "--microbatches must divide --batch_size",
   ),
+  ("bench_zero", ["--pairs=0"], "is not a positive integer"),
+  (
+    "bench_zero",
+    ["--batch_size=6", "--microbatches=2"],
+    "2 x --microbatches must divide --batch_size",
+  ),
   ("bench_overhead", ["--mlp_widths=512,wide"], "integers >= 1"),
   ("bench_overhead", ["--microbatches=0"], "integers >= 1"),
   ("bench_overhead", ["--pairs=0"], "is not a positive integer"),
@@ -114,6 +120,7 @@ ROWS += [
     "disco_latency",
     "disco_settings",
     "bench_runtime",
+    "bench_zero",
     "bench_overhead",
   )
   for path in (__file__, __file__ + "/below")

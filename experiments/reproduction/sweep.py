@@ -80,8 +80,8 @@ def branch_section(results) -> list[str]:
     lines.append(
       f"Why lower: at {_plural(last)} node `{floor['node']}`{weights} "
       "bounds every planner's iteration alike: on few devices its compute "
-      "is slow, on many its gradient all-reduce adds up (tensor "
-      "parallelism, which would split its compute, is not implemented)."
+      "is slow, on many its gradient all-reduce and optimizer step add up "
+      "(tensor parallelism, which would split it, is not implemented)."
     )
   lines += _ceiling_sentences(results, last)
   first, start = known[0]
@@ -158,8 +158,7 @@ def _ceiling_sentences(results, branches) -> list[str]:
     f"{floor['devices']} device{'s' if floor['devices'] > 1 else ''}: "
     "its forward and backward over the whole "
     "batch in one micro-batch, its gradient all-reduce and its optimizer "
-    "step split over those devices as a ZeRO-1 stage splits it; "
-    "`graphpipe.simulator.iteration_floor`), so no plan in this "
+    "step; `graphpipe.simulator.iteration_floor`), so no plan in this "
     f"cost model beats sequential by more than {cap:.2f}x ({verdict}); "
     f"GraphPipe reaches {value / cap:.0%} of that ceiling (the floor "
     "counts neither the pipeline's fill nor the smaller micro-batches that "

@@ -96,6 +96,28 @@ def test_bench_runtime_smoke(tmp_path):
   assert results["measured_ratio"] == pytest.approx(sum(pairs) / 2)
 
 
+def test_bench_zero_smoke(tmp_path):
+  results = run(
+    [
+      "experiments.bench_zero",
+      "--in_features=16",
+      "--hidden=32",
+      "--batch_size=16",
+      "--pairs=2",
+    ],
+    tmp_path,
+  )
+  # The simulator splits the ZeRO stage's update: never slower.
+  predicted = results["predicted_step_time_s"]
+  assert 0 < predicted["zero1"] <= predicted["replicated"]
+  measured = results["measured_step_time_s"]
+  assert all(0 < t < math.inf for t in measured.values())
+  assert len(results["measured_ratios"]) == 2
+  assert results["zero_step_error"] == pytest.approx(
+    predicted["zero1"] / measured["zero1"] - 1
+  )
+
+
 def test_one_step_reports_no_step_time():
   # The only step also runs the first call's work; it was reported as the
   # step time (95 ms against 7 ms a step from the second on).

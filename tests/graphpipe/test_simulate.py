@@ -114,24 +114,27 @@ def test_transfers_allreduce_and_optimizer_add_up_on_two_stages():
 
 
 def test_the_floor_is_one_node_alone_and_no_plan_beats_it():
-  # One node on 2 devices, the whole batch as one micro-batch, a ZeRO-1
-  # stage: it does exactly what the floor counts (compute, all-reduce,
-  # half the optimizer on each device).
+  # One node on 2 devices, the whole batch as one micro-batch: the stage
+  # does exactly what the floor counts (compute, all-reduce, optimizer).
   costs = UnitCosts(allreduce_s_per_byte=0.01, optimizer_s_per_byte=0.01)
   graph = make_graph(chain(1))
   plan = make_plan(chain(1), 1, [2], micro_batch_size=4)
+  seconds, devices = node_floor(graph, 0, 4, 2, costs)
+  # 4 samples x 3 s of compute + 0.64 s of optimizer on one device; on
+  # two, half the compute, a 0.64 s all-reduce and the optimizer.
+  assert (seconds, devices) == (pytest.approx(6 + 0.64 + 0.64), 2)
+  assert simulate(plan, graph, costs).iteration_time_s == pytest.approx(seconds)
+  # Where ZeRO-1 stages are allowed, the floor splits the update, as a
+  # ZeRO-1 stage does.
+  zero = ("replicated", "zero1")
+  sharded, _ = node_floor(graph, 0, 4, 2, costs, zero)
+  assert sharded == pytest.approx(6 + 0.64 + 0.32)
   plan = dataclasses.replace(
     plan, stages=(dataclasses.replace(plan.stages[0], sharding="zero1"),)
   )
-  seconds, devices = node_floor(graph, 0, 4, 2, costs)
-  # 4 samples x 3 s of compute + 0.64 s of optimizer on one device; on
-  # two, half the compute, a 0.64 s all-reduce and half the optimizer.
-  assert (seconds, devices) == (pytest.approx(6 + 0.64 + 0.32), 2)
-  assert simulate(plan, graph, costs).iteration_time_s == pytest.approx(seconds)
-  # Replicated, each device runs the whole update.
-  replicated = make_plan(chain(1), 1, [2], micro_batch_size=4)
-  assert simulate(replicated, graph, costs).iteration_time_s == pytest.approx(
-    seconds + 0.32
+  assert simulate(plan, graph, costs).iteration_time_s == pytest.approx(sharded)
+  assert iteration_floor(graph, 4, 2, costs, zero).seconds == pytest.approx(
+    sharded
   )
   floor = iteration_floor(graph, 4, 2, costs)
   assert (floor.seconds, floor.node) == (pytest.approx(seconds), "n0")
