@@ -25,9 +25,13 @@ V100 = AnalyticCostModel(device_spec("v100"))
 
 
 def _plan(name, groups, sizes=None, batch_size=rc.BATCH):
-  """A 1F1B plan of stages (nodes, devices, sharding), micro-batch sizes
-  `sizes` (default 4 for every stage)."""
-  graph = rc.tiny_graph(name)
+  """A 1F1B plan of the zoo model `name`'s stages (nodes, devices,
+  sharding), micro-batch sizes `sizes` (default 4 for every stage)."""
+  return _plan_of(rc.tiny_graph(name), groups, sizes, batch_size)
+
+
+def _plan_of(graph, groups, sizes=None, batch_size=rc.BATCH):
+  """`_plan` of a captured graph."""
   owner = {n: i for i, (nodes, _, _) in enumerate(groups) for n in nodes}
   edges = tuple(
     sorted(
@@ -370,3 +374,59 @@ def test_bad_stage_shardings_are_refused():
   for bad in [("zero1",), ("replicated", "zero3"), (), 3]:
     with pytest.raises(PlanError, match="stage_shardings must list"):
       graphpipe.plan(graph, 2, 8, stage_shardings=bad)
+
+
+def test_a_tied_embedding_held_by_two_zero_stages_trains_exactly():
+  from flax import nnx
+
+  from tests.graphpipe.test_shared_params import (
+    TiedLM,
+    lm_batch,
+    lm_loss,
+    plain_steps,
+    rel,
+  )
+
+  model, batch = TiedLM(nnx.Rngs(0)), lm_batch()
+  graph = graphpipe.capture(lm_loss, model, batch)
+  n = len(graph.nodes)
+  # The embedding's two readers in the first and last stages, both ZeRO:
+  # its gradient parts are summed across the stages, then reduce-scattered.
+  plan = _plan_of(
+    graph,
+    [
+      ([0, 1, 2], [0, 1], "zero1"),
+      (list(range(3, n - 2)), [2, 3], "replicated"),
+      ([n - 2, n - 1], [4, 5], "zero1"),
+    ],
+    batch_size=len(batch["tokens"]),
+  )
+  trainer = Trainer(plan, SGD, graph=graph)
+  state = trainer.init(model)
+  got, grads = trainer.loss_and_grads(state, batch)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  want, want_grads = jax.value_and_grad(
+    lambda p: lm_loss(nnx.merge(graphdef, p, rest), batch)
+  )(params)
+  want_grads = graph.program.variable_values(
+    nnx.merge(graphdef, want_grads, rest)
+  )
+  assert got == pytest.approx(float(want), rel=1e-5)
+  for key, value in grads.items():
+    assert rel(value, want_grads[key]) < 1e-5, key
+  for _ in range(2):
+    state, _ = trainer.step(state, batch)
+  want = graph.program.variable_values(
+    plain_steps(model, lm_loss, batch, SGD, 2)
+  )
+  for key, value in trainer.params(state).items():
+    assert rel(value, want[key]) < 1e-5, key
+  # Both copies of the table stay bit-identical.
+  key = "param:embed.embedding"
+  rows = [np.asarray(x) for x in state.params]
+  copies = []
+  for s in (plan.stages[0], plan.stages[2]):
+    slot, offset = trainer.buffers.params.places[s.id][key]
+    size = trainer.buffers.params.lengths[key]
+    copies.append(rows[slot][s.devices[1], offset : offset + size])
+  np.testing.assert_array_equal(copies[0], copies[1])
