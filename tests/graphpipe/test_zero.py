@@ -2,6 +2,7 @@
 exactly like plain JAX, and every device holds only what it owns."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -98,9 +99,18 @@ def test_a_planned_data_parallel_model_trains_exactly_with_zero_stages():
   rc.assert_trains_exactly("dlrm", trainer, model, batches, SGD)
 
 
-def test_each_device_keeps_the_optimizer_state_of_its_share_only():
-  plan = _plan("two_branch", MIXED)
-  trainer = Trainer(plan, optax.adam(1e-2), graph=rc.tiny_graph("two_branch"))
+@pytest.fixture(scope="module")
+def mixed_adam():
+  """The mixed plan's trainer with Adam (compiled once for the tests)."""
+  return Trainer(
+    _plan("two_branch", MIXED),
+    optax.adam(1e-2),
+    graph=rc.tiny_graph("two_branch"),
+  )
+
+
+def test_each_device_keeps_the_optimizer_state_of_its_share_only(mixed_adam):
+  trainer = mixed_adam
   sizes = [trainer.layout.param_size(s.id) for s in trainer.layout.stages]
   slot_sizes = trainer.buffers.params.sizes
   chunks = lambda n: sum(-(-s // n) for s in slot_sizes)
@@ -117,11 +127,9 @@ def test_each_device_keeps_the_optimizer_state_of_its_share_only():
   assert mu.shape == (8, owned.length)
 
 
-def test_memory_rule_counts_the_owned_optimizer_state():
-  plan = _plan("two_branch", MIXED)
-  graph = rc.tiny_graph("two_branch")
+def test_memory_rule_counts_the_owned_optimizer_state(mixed_adam):
+  trainer, plan, graph = mixed_adam, mixed_adam.plan, mixed_adam.graph
   model, batch = rc.model_and_batch("two_branch")
-  trainer = Trainer(plan, optax.adam(1e-2), graph=graph)
   report = trainer.memory_report(trainer.init(model), batch)
   compiled = report["compiled_bytes"]
   for total in report["total_bytes_per_device"]:
@@ -139,27 +147,18 @@ def test_memory_rule_counts_the_owned_optimizer_state():
   assert alone.padding_fraction == pytest.approx(
     bound.padding_fraction, rel=2e-2
   )
-  # Sharding lowers the padding: the replicated plan holds Adam's moments
-  # over the largest stage's slots on every device.
-  full = plan_memory(
-    graph,
-    dataclasses.replace(
-      plan,
-      stages=tuple(
-        dataclasses.replace(s, sharding="replicated") for s in plan.stages
-      ),
-    ),
-  )
+  # Sharding lowers the padding bytes (not their share of what is held):
+  # the replicated plan holds Adam's moments over the largest stage's
+  # slots on every device.
+  full = plan_memory(graph, _replicated(plan))
   assert sum(bound.padding_bytes) < sum(full.padding_bytes)
   assert bound.largest_of(["optimizer"]) < full.largest_of(["optimizer"])
   assert bound.largest < full.largest
 
 
-def test_checkpoints_of_zero_stages_resume_exactly(tmp_path):
-  plan = _plan("two_branch", MIXED)
-  graph = rc.tiny_graph("two_branch")
+def test_checkpoints_of_zero_stages_resume_exactly(tmp_path, mixed_adam):
+  trainer = mixed_adam
   model, _ = rc.model_and_batch("two_branch")
-  trainer = Trainer(plan, optax.adam(1e-2), graph=graph)
   state = trainer.init(model)
   losses = []
   for s in range(4):
@@ -177,78 +176,9 @@ def test_checkpoints_of_zero_stages_resume_exactly(tmp_path):
   assert again == losses[2:]
 
 
-@pytest.mark.parametrize(
-  "target",
-  [
-    pytest.param(lambda plan: _replicated(plan), id="replicated"),
-    pytest.param(
-      lambda plan: rc.pipeline_plan("two_branch", 4, "sequential"),
-      id="4-device-chain",
-    ),
-    pytest.param(
-      lambda plan: _plan("two_branch", [(tuple(range(9)), (0, 1), "zero1")]),
-      id="one-zero-stage",
-    ),
-  ],
-)
-def test_a_checkpoint_restores_into_another_plan_and_trains_on(
-  tmp_path, target
-):
-  plan = _plan("two_branch", MIXED)
-  graph = rc.tiny_graph("two_branch")
-  model, _ = rc.model_and_batch("two_branch")
-  batches = [rc.model_and_batch("two_branch", s)[1] for s in range(4)]
-  trainer = Trainer(plan, SGD, graph=graph)
-  state = trainer.init(model)
-  for b in batches[:2]:
-    state, _ = trainer.step(state, b)
-  trainer.save(state, str(tmp_path / "ckpt"))
-  other = Trainer(target(plan), SGD, graph=graph)
-  moved = other.restore(str(tmp_path / "ckpt"))
-  assert int(np.asarray(moved.step)) == 2
-  # Pure data movement: the parameters are the saved bits.
-  want, got = trainer.params(state), other.params(moved)
-  for key in want:
-    np.testing.assert_array_equal(got[key], want[key])
-  # The momentum moved too: the next steps are the original run's.
-  losses, again = [], []
-  for b in batches[2:]:
-    state, metrics = trainer.step(state, b)
-    losses.append(metrics["loss"])
-    moved, metrics = other.step(moved, b)
-    again.append(metrics["loss"])
-  np.testing.assert_allclose(again, losses, rtol=1e-5)
-  assert rc.max_rel_error(other.params(moved), trainer.params(state)) < 1e-5
-
-
-def test_a_checkpoint_does_not_restore_into_another_graph(tmp_path):
-  plan = _plan("two_branch", MIXED)
-  trainer = Trainer(plan, SGD, graph=rc.tiny_graph("two_branch"))
-  state = trainer.init(rc.model_and_batch("two_branch")[0])
-  trainer.save(state, str(tmp_path / "ckpt"))
-  other = Trainer(
-    rc.pipeline_plan("dlrm", 4, "sequential"), SGD, graph=rc.tiny_graph("dlrm")
-  )
-  with pytest.raises(GraphpipeError, match="another plan or graph"):
-    other.restore(str(tmp_path / "ckpt"))
-  adam = Trainer(_replicated(plan), optax.adam(1e-2), graph=trainer.graph)
-  with pytest.raises(GraphpipeError, match="another optimizer"):
-    adam.restore(str(tmp_path / "ckpt"))
-
-
-def _replicated(plan):
-  return dataclasses.replace(
-    plan,
-    stages=tuple(
-      dataclasses.replace(s, sharding="replicated") for s in plan.stages
-    ),
-  )
-
-
-def test_a_non_finite_step_leaves_zero_stages_unchanged():
-  plan = _plan("two_branch", MIXED)
+def test_a_non_finite_step_leaves_zero_stages_unchanged(mixed_adam):
+  trainer = mixed_adam
   model, batch = rc.model_and_batch("two_branch")
-  trainer = Trainer(plan, optax.adam(1e-2), graph=rc.tiny_graph("two_branch"))
   state, _ = trainer.step(trainer.init(model), batch)
   before = jax.tree.map(np.asarray, state)
   bad = {k: np.array(v) for k, v in batch.items()}
@@ -258,6 +188,93 @@ def test_a_non_finite_step_leaves_zero_stages_unchanged():
   after = jax.tree.map(np.asarray, state)
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+  """The mixed plan trained with momentum SGD: saved after two steps, then
+  two more. (folder, parameters when saved, losses of the two steps after,
+  parameters after them)."""
+  folder = str(tmp_path_factory.mktemp("zero") / "ckpt")
+  trainer = Trainer(
+    _plan("two_branch", MIXED), SGD, graph=rc.tiny_graph("two_branch")
+  )
+  state = trainer.init(rc.model_and_batch("two_branch")[0])
+  for b in _batches()[:2]:
+    state, _ = trainer.step(state, b)
+  trainer.save(state, folder)
+  saved = trainer.params(state)
+  losses = []
+  for b in _batches()[2:]:
+    state, metrics = trainer.step(state, b)
+    losses.append(metrics["loss"])
+  return folder, saved, losses, trainer.params(state)
+
+
+@functools.cache
+def _batches():
+  return [rc.model_and_batch("two_branch", s)[1] for s in range(4)]
+
+
+@pytest.mark.parametrize(
+  "target",
+  [
+    pytest.param(
+      lambda: _replicated(_plan("two_branch", MIXED)), id="replicated"
+    ),
+    pytest.param(
+      lambda: rc.pipeline_plan("two_branch", 4, "sequential"),
+      id="4-device-chain",
+    ),
+    pytest.param(
+      lambda: _plan("two_branch", [(tuple(range(9)), (0, 1), "zero1")]),
+      id="one-zero-stage",
+    ),
+  ],
+)
+def test_a_checkpoint_restores_into_another_plan_and_trains_on(
+  saved_run, target
+):
+  folder, saved, losses, trained = saved_run
+  other = Trainer(target(), SGD, graph=rc.tiny_graph("two_branch"))
+  moved = other.restore(folder)
+  assert int(np.asarray(moved.step)) == 2
+  # Pure data movement: the parameters are the saved bits.
+  got = other.params(moved)
+  for key in saved:
+    np.testing.assert_array_equal(got[key], saved[key])
+  # The momentum moved too: the next steps are the original run's.
+  again = []
+  for b in _batches()[2:]:
+    moved, metrics = other.step(moved, b)
+    again.append(metrics["loss"])
+  np.testing.assert_allclose(again, losses, rtol=1e-5)
+  assert rc.max_rel_error(other.params(moved), trained) < 1e-5
+
+
+def test_a_checkpoint_does_not_restore_into_another_graph(saved_run):
+  folder = saved_run[0]
+  other = Trainer(
+    rc.pipeline_plan("dlrm", 4, "sequential"), SGD, graph=rc.tiny_graph("dlrm")
+  )
+  with pytest.raises(GraphpipeError, match="another plan or graph"):
+    other.restore(folder)
+  adam = Trainer(
+    _replicated(_plan("two_branch", MIXED)),
+    optax.adam(1e-2),
+    graph=rc.tiny_graph("two_branch"),
+  )
+  with pytest.raises(GraphpipeError, match="another optimizer"):
+    adam.restore(folder)
+
+
+def _replicated(plan):
+  return dataclasses.replace(
+    plan,
+    stages=tuple(
+      dataclasses.replace(s, sharding="replicated") for s in plan.stages
+    ),
+  )
 
 
 def test_sharding_survives_json_and_bad_shardings_are_refused(tmp_path):
