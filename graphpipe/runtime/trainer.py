@@ -89,7 +89,9 @@ class Trainer:
       Stages may take different micro-batch sizes (`graphpipe.plan(...,
       per_stage_micro_batches=True)`): a stage k times larger than its
       predecessor collects k of their micro-batches, runs once and returns
-      its gradients in k pieces (`graphpipe.runtime.layout`).
+      its gradients in k pieces (`graphpipe.runtime.layout`). A stage
+      whose `sharding` is 'zero1' keeps a k-th of the optimizer state on
+      each of its k devices (`graphpipe.runtime.zero`).
     optimizer: an optax transformation. It runs on each device's flat
       buffer, so it must treat parameters elementwise (sgd, adam, adamw,
       ...); transformations that reduce over all parameters (global-norm

@@ -184,10 +184,7 @@ class ZeroOne:
     out = self._pack(params, me)
     for n, here, at, _ in self._rings(me):
       k = reduce.owned_chunk(at, n)
-      chunks = []
-      for p in params:
-        c = -(-p.size // n)
-        chunks.append(jnp.pad(p, (0, n * c - p.size)).reshape(n, c)[k])
+      chunks = [_chunk(p, k, n) for p in params]
       out = jnp.where(here, self._fit(jnp.concatenate(chunks), out.size), out)
     return out
 
@@ -200,9 +197,27 @@ class ZeroOne:
       for j, p in enumerate(params):
         c = -(-p.size // n)
         whole = reduce.all_gather(owned[start : start + c], n, at, ring, axis)
-        out[j] = jnp.where(here, whole[: p.size], out[j])
+        # (where every device is in a ZeRO stage of n devices, the gathered
+        # slot is the new one: no select, no copy)
+        out[j] = (
+          whole[: p.size]
+          if self._everyone(n)
+          else jnp.where(here, whole[: p.size], out[j])
+        )
         start += c
+    if self._everyone(None):
+      return tuple(out)
     return self._unpack(owned, tuple(out), me)
+
+  def _everyone(self, n: int | None) -> bool:
+    """Whether every device is in a ZeRO-1 stage (of `n` devices)."""
+    sizes = {
+      len(self.layout.stages[self.stage_of[d]].devices)
+      if self.zero_device[d]
+      else 0
+      for d in range(self.layout.num_devices)
+    }
+    return 0 not in sizes and (n is None or sizes == {n})
 
   # Host side.
 
@@ -259,3 +274,16 @@ class ZeroOne:
         owned = np.concatenate(pieces)
         rows[d, : owned.size] = owned
     return rows
+
+
+def _chunk(p, k, n: int):
+  """Chunk k (traced) of n of the flat slot `p`, ceil(size / n) elements,
+  zero-padded past the slot's end: sliced in place, without a padded copy
+  of the whole slot."""
+  c = -(-p.size // n)
+  full = p.size // c  # chunks wholly inside the slot (at least 1)
+  if full == n:
+    return p.reshape(n, c)[k]
+  inside = lax.dynamic_slice_in_dim(p, jnp.minimum(k, full - 1) * c, c)
+  rest = jnp.pad(p[full * c :], (0, c - (p.size - full * c)))
+  return jnp.where(k < full, inside, jnp.where(k == full, rest, 0.0))

@@ -447,3 +447,18 @@ def test_a_tied_embedding_held_by_two_zero_stages_trains_exactly():
     size = trainer.buffers.params.lengths[key]
     copies.append(rows[slot][s.devices[1], offset : offset + size])
   np.testing.assert_array_equal(copies[0], copies[1])
+
+
+def test_a_slot_chunk_is_the_padded_slot_cut_in_n():
+  import jax.numpy as jnp
+
+  from graphpipe.runtime.zero import _chunk
+
+  for size in (1, 2, 3, 5, 7, 8, 9, 17):
+    for n in (1, 2, 3, 4, 5):
+      slot = np.arange(1, size + 1, dtype=np.float32)
+      c = -(-size // n)
+      want = np.pad(slot, (0, n * c - size)).reshape(n, c)
+      for k in range(n):
+        got = _chunk(jnp.asarray(slot), jnp.int32(k), n)
+        np.testing.assert_array_equal(np.asarray(got), want[k])
