@@ -139,6 +139,29 @@ def assert_trains_exactly(name, trainer, model, batches, optimizer):
   return state, want_params
 
 
+def assert_resumes_exactly(trainer, model, folder, name="two_branch"):
+  """Four steps of `name`'s batches, saved to `folder` after the second;
+  the state restored from it takes the last two with the same losses.
+
+  Returns:
+    the four losses.
+  """
+  state = trainer.init(model)
+  losses = []
+  for s in range(4):
+    state, metrics = trainer.step(state, model_and_batch(name, s)[1])
+    losses.append(metrics["loss"])
+    if s == 1:
+      trainer.save(state, folder)
+  resumed = trainer.restore(folder)
+  again = []
+  for s in range(2, 4):
+    resumed, metrics = trainer.step(resumed, model_and_batch(name, s)[1])
+    again.append(metrics["loss"])
+  assert again == losses[2:]
+  return losses
+
+
 def manual_plan(graph, groups, micro_batch, batch_size):
   """A 1F1B plan of stages given as (node list, device list) pairs, every
   stage taking micro-batches of `micro_batch`."""

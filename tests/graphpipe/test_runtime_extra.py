@@ -79,21 +79,7 @@ def test_checkpoint_resume_continues_exactly(tmp_path):
   plan = rc.pipeline_plan("two_branch", 4, "sequential")
   model, _ = rc.model_and_batch("two_branch")
   trainer = Trainer(plan, optax.adam(1e-2), graph=rc.tiny_graph("two_branch"))
-  state = trainer.init(model)
-  losses = []
-  for s in range(4):
-    state, metrics = trainer.step(state, rc.model_and_batch("two_branch", s)[1])
-    losses.append(metrics["loss"])
-    if s == 1:
-      trainer.save(state, str(tmp_path / "ckpt"))
-  resumed = trainer.restore(str(tmp_path / "ckpt"))
-  again = []
-  for s in range(2, 4):
-    resumed, metrics = trainer.step(
-      resumed, rc.model_and_batch("two_branch", s)[1]
-    )
-    again.append(metrics["loss"])
-  assert again == losses[2:]
+  losses = rc.assert_resumes_exactly(trainer, model, str(tmp_path / "ckpt"))
   # Another plan of the graph takes the checkpoint over
   # (`graphpipe.runtime.relayout`, tests/graphpipe/test_zero.py).
   other = Trainer(

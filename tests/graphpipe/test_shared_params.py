@@ -99,8 +99,8 @@ def rel(got, want):
   return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-12))
 
 
-def check_trains_exactly(model, loss, batch, graph, plan):
-  optimizer = optax.adam(1e-2)
+def check_trains_exactly(model, loss, batch, graph, plan, optimizer=None):
+  optimizer = optimizer or optax.adam(1e-2)
   trainer = graphpipe.Trainer(plan, optimizer, graph=graph)
   state = trainer.init(model)
   got, grads = trainer.loss_and_grads(state, batch)

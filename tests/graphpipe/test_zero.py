@@ -157,23 +157,8 @@ def test_memory_rule_counts_the_owned_optimizer_state(mixed_adam):
 
 
 def test_checkpoints_of_zero_stages_resume_exactly(tmp_path, mixed_adam):
-  trainer = mixed_adam
   model, _ = rc.model_and_batch("two_branch")
-  state = trainer.init(model)
-  losses = []
-  for s in range(4):
-    state, metrics = trainer.step(state, rc.model_and_batch("two_branch", s)[1])
-    losses.append(metrics["loss"])
-    if s == 1:
-      trainer.save(state, str(tmp_path / "ckpt"))
-  resumed = trainer.restore(str(tmp_path / "ckpt"))
-  again = []
-  for s in range(2, 4):
-    resumed, metrics = trainer.step(
-      resumed, rc.model_and_batch("two_branch", s)[1]
-    )
-    again.append(metrics["loss"])
-  assert again == losses[2:]
+  rc.assert_resumes_exactly(mixed_adam, model, str(tmp_path / "ckpt"))
 
 
 def test_a_non_finite_step_leaves_zero_stages_unchanged(mixed_adam):
@@ -398,10 +383,9 @@ def test_a_tied_embedding_held_by_two_zero_stages_trains_exactly():
 
   from tests.graphpipe.test_shared_params import (
     TiedLM,
+    check_trains_exactly,
     lm_batch,
     lm_loss,
-    plain_steps,
-    rel,
   )
 
   model, batch = TiedLM(nnx.Rngs(0)), lm_batch()
@@ -418,26 +402,7 @@ def test_a_tied_embedding_held_by_two_zero_stages_trains_exactly():
     ],
     batch_size=len(batch["tokens"]),
   )
-  trainer = Trainer(plan, SGD, graph=graph)
-  state = trainer.init(model)
-  got, grads = trainer.loss_and_grads(state, batch)
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  want, want_grads = jax.value_and_grad(
-    lambda p: lm_loss(nnx.merge(graphdef, p, rest), batch)
-  )(params)
-  want_grads = graph.program.variable_values(
-    nnx.merge(graphdef, want_grads, rest)
-  )
-  assert got == pytest.approx(float(want), rel=1e-5)
-  for key, value in grads.items():
-    assert rel(value, want_grads[key]) < 1e-5, key
-  for _ in range(2):
-    state, _ = trainer.step(state, batch)
-  want = graph.program.variable_values(
-    plain_steps(model, lm_loss, batch, SGD, 2)
-  )
-  for key, value in trainer.params(state).items():
-    assert rel(value, want[key]) < 1e-5, key
+  trainer, state = check_trains_exactly(model, lm_loss, batch, graph, plan, SGD)
   # Both copies of the table stay bit-identical.
   key = "param:embed.embedding"
   rows = [np.asarray(x) for x in state.params]
