@@ -24,7 +24,6 @@ from __future__ import annotations
 import time
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from graphpipe.core.graph import OpGraph
@@ -103,13 +102,10 @@ def runtime_report(
 ) -> MemoryReport:
   """The `MemoryReport` of a built layout, its buffers and tick tables."""
   table_bytes = sum(t.nbytes for t in tables.values())
-  owned = ZeroOne(layout, buf.params).owned
-  slots = tuple(
-    jax.ShapeDtypeStruct((n,), jnp.float32) for n in buf.params.sizes
-  )
-  if owned.sharded:  # the optimizer runs on the owned vector
-    slots = jax.ShapeDtypeStruct((owned.length,), jnp.float32)
-  opt_state = jax.eval_shape(optimizer.init, slots)
+  zero = ZeroOne(layout, buf.params)
+  owned = zero.owned
+  # (slots, or with ZeRO-1 stages the owned vector)
+  opt_state = jax.eval_shape(optimizer.init, zero.optimizer_input())
   optimizer_bytes = sum(
     x.size * x.dtype.itemsize for x in jax.tree.leaves(opt_state)
   )

@@ -25,7 +25,6 @@ import dataclasses
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from graphpipe.core.slots import SlotLayout, plan_slots
@@ -49,13 +48,8 @@ class View:
   zero: ZeroOne
 
   def optimizer_input(self):
-    """One device's optimizer input, abstract: its parameter slots, or
-    its owned vector where a stage is ZeRO-1."""
-    if self.zero.active:
-      return jax.ShapeDtypeStruct((self.zero.owned.length,), jnp.float32)
-    return tuple(
-      jax.ShapeDtypeStruct((n,), jnp.float32) for n in self.params.sizes
-    )
+    """One device's optimizer input, abstract (`ZeroOne.optimizer_input`)."""
+    return self.zero.optimizer_input()
 
 
 def view_of_trainer(trainer) -> View:

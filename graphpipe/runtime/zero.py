@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -86,9 +87,14 @@ class ZeroOne:
     """Whether some stage is ZeRO-1."""
     return self.owned.sharded
 
-  def replicated_groups(self) -> list:
-    """The device groups the replicas' all-reduce still sums."""
-    return [s.devices for s in self.layout.stages if s.sharding != "zero1"]
+  def optimizer_input(self):
+    """One device's optimizer input, abstract: its parameter slots, or
+    its owned vector where a stage is ZeRO-1."""
+    if self.active:
+      return jax.ShapeDtypeStruct((self.owned.length,), jnp.float32)
+    return tuple(
+      jax.ShapeDtypeStruct((n,), jnp.float32) for n in self.slots.sizes
+    )
 
   # Traced.
 
