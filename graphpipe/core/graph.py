@@ -13,6 +13,7 @@ the structure and costs only, which is all the planner needs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Sequence
@@ -176,6 +177,7 @@ class OpGraph:
     self.meta = dict(meta or {})
     self.shared = dict(shared or {})
     self._held: dict[tuple, int] = {}  # `variable_bytes`, memoised
+    self._assumed = False  # `assuming_traces`
     self._validate()
     self._readers = {
       key: tuple(
@@ -271,8 +273,29 @@ class OpGraph:
 
   def traces_at(self, batch_size: int) -> bool:
     """Whether the captured model's code traces at `batch_size` samples
-    (True for a graph without a program: nothing to ask)."""
-    return self.program is None or self.program.traces_at(batch_size)
+    (True for a graph without a program: nothing to ask). Within
+    `assuming_traces`, whether no trace at that size has failed yet."""
+    if self.program is None:
+      return True
+    if self._assumed:
+      return not self.program.known_refused(batch_size)
+    return self.program.traces_at(batch_size)
+
+  @contextlib.contextmanager
+  def assuming_traces(self):
+    """Within: `traces_at` answers without tracing, True unless a trace
+    at that size failed before.
+
+    A trace of a paper-size model takes about a second and a search asks
+    about every micro-batch and chunk size; the planners search assuming
+    and then trace the sizes of the plan they chose, searching again
+    without a size that fails (`graphpipe.planning.search.plan`).
+    """
+    before, self._assumed = self._assumed, True
+    try:
+      yield
+    finally:
+      self._assumed = before
 
   @property
   def whole_batch_only(self) -> str | None:

@@ -282,6 +282,10 @@ class Program:
         self._refused.add(batch_size)
     return batch_size not in self._refused
 
+  def known_refused(self, batch_size: int) -> bool:
+    """Whether a trace at `batch_size` failed (without tracing)."""
+    return batch_size in self._refused
+
   def cut_rules(self) -> dict[str, list[tuple[int, int]]]:
     """Node pairs the planners must respect (`graphpipe.core.runnable`):
     'apart', an edge whose values hold samples apart along the batch axis

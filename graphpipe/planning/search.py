@@ -159,23 +159,28 @@ def plan(
   if memory_bytes is None:
     memory_bytes = cost_model.memory_bytes
   check_memory_bytes(memory_bytes)
-  sizes = searched_sizes(batch_size, micro_batch_sizes, graph)
   per_stage = per_stage_micro_batches and planner == "graphpipe"
-  best = run_search(
-    graph,
-    num_devices,
-    batch_size,
-    planner,
-    cost_model,
-    memory_bytes,
-    sizes,
-    per_stage=per_stage,
-    piper_budget=piper_budget,
-    memory_kinds=memory_kinds,
-    padding_tolerance=padding_tolerance,
-    max_padding=max_padding,
-    shardings=shardings,
-  )
+
+  def search():
+    sizes = searched_sizes(batch_size, micro_batch_sizes, graph)
+    best = run_search(
+      graph,
+      num_devices,
+      batch_size,
+      planner,
+      cost_model,
+      memory_bytes,
+      sizes,
+      per_stage=per_stage,
+      piper_budget=piper_budget,
+      memory_kinds=memory_kinds,
+      padding_tolerance=padding_tolerance,
+      max_padding=max_padding,
+      shardings=shardings,
+    )
+    return sizes, best
+
+  sizes, best = search_tracing_chosen(graph, num_devices, search)
   if best is None:
     # The partitioners bound memory conservatively (non-series-parallel
     # graphs count dummy dependencies in their in-flight counts), so a plan
@@ -225,6 +230,31 @@ def plan(
     graph=graph,
     cost_model=cost_model,
   )
+
+
+def search_tracing_chosen(graph: OpGraph, num_devices: int, search):
+  """`search()` -> (sizes, best plan or None), run as if the model traced
+  at every size not yet refused, then made true: the chosen plan's chunk
+  sizes are traced and a plan holding one that fails is searched again
+  without it; where no plan is found, every size the search could have
+  asked about is traced and, if one fails, searched again. The answer is
+  the search's with every size traced beforehand; only the traces it
+  never needed are skipped (a second each at paper size).
+  """
+  while True:
+    with graph.assuming_traces():
+      sizes, best = search()
+    if best is not None:
+      chunks = {s.micro_batch_size // len(s.devices) for s in best.stages}
+      chunks |= {s.micro_batch_size for s in best.stages}
+      if all([graph.traces_at(c) for c in sorted(chunks)]):
+        return sizes, best
+      continue
+    asked = {
+      b // k for b in sizes for k in range(1, num_devices + 1) if b % k == 0
+    }
+    if all([graph.traces_at(c) for c in sorted(asked)]):
+      return sizes, None
 
 
 def recorded_name(device: str | DeviceSpec) -> str:

@@ -117,3 +117,29 @@ def test_values_laid_out_time_major_keep_one_chunk_size_across_a_cut():
   for planner in graphpipe.PLANNERS:
     plan = graphpipe.plan(graph, 8, BATCH, planner, device=rc.SLOW)
     check_runs(model, mse, graph, plan)
+
+
+def test_planners_trace_only_the_sizes_they_choose_and_retry_on_a_refusal():
+  # `graphpipe.planning.search.search_tracing_chosen`: the search assumes
+  # every size traces, then traces the chosen plan's chunks; chunks of one
+  # fail here, so it searches again without them. The plans equal those
+  # of a graph traced at every size beforehand.
+  model = Net(nnx.Rngs(0), pairs=True)
+  for planner in ("graphpipe", "sequential", "gpipe"):
+    lazy = graphpipe.capture(mse, model, batch_of())
+    eager = graphpipe.capture(mse, model, batch_of())
+    for size in (1, 2, 4, 8):
+      eager.traces_at(size)
+    got = graphpipe.plan(lazy, 8, BATCH, planner, rc.SLOW)
+    want = graphpipe.plan(eager, 8, BATCH, planner, rc.SLOW)
+    assert got.to_dict()["stages"] == want.to_dict()["stages"], planner
+    assert lazy.program.known_refused(1)  # tried, failed, searched again
+    chunks = {s.micro_batch_size // len(s.devices) for s in got.stages}
+    assert 1 not in chunks
+    check_runs(model, mse, lazy, got)
+  model = Net(nnx.Rngs(0))  # traces everywhere: only the chosen sizes
+  graph = graphpipe.capture(mse, model, batch_of())
+  plan = graphpipe.plan(graph, 2, BATCH, "graphpipe", rc.SLOW)
+  used = {s.micro_batch_size // len(s.devices) for s in plan.stages}
+  used |= {s.micro_batch_size for s in plan.stages}
+  assert set(graph.program._by_size) <= used | {BATCH, 2 * BATCH}
