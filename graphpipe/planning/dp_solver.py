@@ -218,10 +218,30 @@ class DPSolver:
     return best, choice
 
   def parallel(self, x: int, depth: int, after: int, trim=None):
-    """Branches of parallel node x, neighbours possibly sharing a stage.
+    """Branches of parallel node x, neighbours possibly sharing a stage:
+    (fewest devices, back pointers).
 
-    trim = (i, c): branch i keeps only its first c children.
+    trim = (i, c): branch i keeps only its first c children, and no stage
+    holds it with a neighbour, so the cover splits at it: the untrimmed
+    cover of the branches before i, plus the head, plus the cover of the
+    branches after i on their own (`_suffix_covers`): the same minimum as
+    covering with the trim, without a pass over the branches per (i, c).
+    Back pointers are then None (`_cover` gives them).
     """
+    if trim is None:
+      return self._cover(x, depth, after)
+    i, c = trim
+    before = self.memo.get(("pc", x, depth, after))
+    if before is None:
+      self._cover(x, depth, after)
+      before = self.memo[("pc", x, depth, after)]
+    head = self._head(self.tree.children[x][i], c, depth, after)
+    suffix = self._suffix_covers(x, depth, after)[i + 1]
+    total = before[i] + head + suffix
+    return (total if total < _INF else _INF), None
+
+  def _cover(self, x: int, depth: int, after: int, trim=None):
+    """`parallel` by a pass over the branches, with back pointers."""
     key = ("p", x, depth, after, trim)
     if key in self.memo:
       return self.memo[key]
@@ -253,7 +273,45 @@ class DPSolver:
           cover[i + 1], back[i + 1] = cover[s] + k, ("group", s, base_id, k)
     result = (cover[-1], tuple(back))
     self.memo[key] = result
+    if trim is None:
+      self.memo[("pc", x, depth, after)] = cover
     return result
+
+  def _suffix_covers(self, x: int, depth: int, after: int) -> list[int]:
+    """Per branch j of parallel node x, the fewest devices covering
+    branches j.. on their own (index len: 0).
+
+    The pieces are `_cover`'s: a branch alone, or a group of branches s..e
+    reached before the pass from e down stops (a group too large at one
+    micro-batch in flight stops it: longer groups only grow), so each
+    minimum equals `_cover`'s over the same branches.
+    """
+    key = ("sc", x, depth, after)
+    found = self.memo.get(key)
+    if found is not None:
+      return found
+    kids = self.tree.children[x]
+    n = len(kids)
+    base, ranges, flight = self.base, self.tree.range_base, after + 1
+    # stop[e]: the pass over groups ending at e stops at this start.
+    stop = [-1] * n
+    for e in range(n):
+      for s in range(e - 1, -1, -1):
+        if base(ranges[(x, s, e)], 1) >= _INF:
+          stop[e] = s
+          break
+    suffix = [_INF] * n + [0]
+    for j in range(n - 1, -1, -1):
+      best = self.min_devices(kids[j], depth, after)[0] + suffix[j + 1]
+      for e in range(j + 1, n):
+        if j <= stop[e] or suffix[e + 1] >= _INF:
+          continue
+        k = base(ranges[(x, j, e)], flight)
+        if k < _INF:
+          best = min(best, k + suffix[e + 1])
+      suffix[j] = best if best < _INF else _INF
+    self.memo[key] = suffix
+    return suffix
 
   def _head(self, branch: int, cut: int, depth: int, after: int) -> int:
     """Devices for the first `cut` children of a branch (0 if none)."""
@@ -274,7 +332,7 @@ class DPSolver:
       self._collect_parallel(x, depth, after, None, out)
 
   def _collect_parallel(self, x, depth, after, trim, out) -> None:
-    _, back = self.parallel(x, depth, after, trim)
+    _, back = self._cover(x, depth, after, trim)
     kids = self.tree.children[x]
     parts = []
     i = len(kids)
