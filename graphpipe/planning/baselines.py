@@ -88,12 +88,16 @@ class _Chain:
   def __init__(self, order: Sequence[int], costs: StageCosts):
     self.order = tuple(order)
     self.costs = costs
+    self._boundary = None
 
   def nodes(self, first: int, last: int) -> tuple[int, ...]:
     return tuple(sorted(self.order[first : last + 1]))
 
   def boundary(self) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes in, bytes out) per sample of every range [first, last]."""
+    """(bytes in, bytes out) per sample of every range [first, last]
+    (computed once: it does not depend on the micro-batch)."""
+    if self._boundary is not None:
+      return self._boundary
     n = len(self.order)
     incoming, outgoing = np.zeros((n, n)), np.zeros((n, n))
     for first in range(n):
@@ -101,7 +105,8 @@ class _Chain:
         incoming[first, last], outgoing[first, last] = (
           self.costs.boundary_bytes(self.nodes(first, last))
         )
-    return incoming, outgoing
+    self._boundary = (incoming, outgoing)
+    return self._boundary
 
   def option(self, first, last, b, k) -> tuple[float, int]:
     """(time per sample, in-flight capacity) of range first..last on k."""
@@ -221,14 +226,15 @@ class _RangeCosts:
         ]
       )
       comm = np.zeros((n, n))
-      for f, z in zip(first, last, strict=True):
-        comm[f, z] = costs.transfer_time(
-          max(incoming[f, z], outgoing[f, z]) * share
-        )
+      comm[first, last] = _each_once(
+        costs.transfer_time,
+        np.maximum(incoming[first, last], outgoing[first, last]) * share,
+      )
       busy = m * np.maximum(compute, comm)
       sync = np.zeros((n, n))
-      for f, z in zip(first, last, strict=True):
-        sync[f, z] = costs.sync_time_of(float(params[f, z]), k)
+      sync[first, last] = _each_once(
+        lambda p, k=k: costs.sync_time_of(p, k), params[first, last]
+      )
       steady = np.where(inside, busy / costs.batch_size, np.inf)
       self.steady_time_per_sample[:, :, i] = steady
       self.time_per_sample[:, :, i] = steady + sync / costs.batch_size
@@ -240,6 +246,14 @@ class _RangeCosts:
         )
       cap = np.where(static <= budget, np.floor(np.minimum(room, 1 << 30)), 0)
       self.capacity[:, :, i] = np.where(inside, cap, 0).astype(np.int64)
+
+
+def _each_once(fn, values: np.ndarray) -> np.ndarray:
+  """[fn(float(v)) for v in values], calling `fn` once per distinct value
+  (ranges share their boundary bytes: the cost model's scalar functions
+  took a sixth of the chain search)."""
+  distinct, where = np.unique(values, return_inverse=True)
+  return np.array([fn(float(v)) for v in distinct], dtype=float)[where]
 
 
 def _shared_excess(graph, order, kind: str) -> np.ndarray:

@@ -9,13 +9,15 @@ from graphpipe.core.fingerprint import graph_fingerprint
 from graphpipe.core.graph import Edge, Node, OpGraph
 from graphpipe.core.stages import Plan
 from graphpipe.errors import GraphpipeError, PlanError
-from graphpipe.planning import baselines, engine
+from graphpipe.planning import baselines, dp_solver, engine
 from graphpipe.planning.assemble import (
   assemble,
   spend_spare_devices,
   split_branches,
 )
 from graphpipe.planning.candidates import Partition
+from graphpipe.planning.dp_solver import DPSolver
+from graphpipe.planning.graphpipe_dp import GraphPipePartitioner
 from graphpipe.planning.refine import refine
 from graphpipe.planning.search import PLANNERS, plan
 from graphpipe.planning.stage_costs import StageCosts, estimate_iteration_time
@@ -417,3 +419,42 @@ def test_refine_checking_fits_lazily_walks_the_same_way():
     assert 0.05 < sum(refused) / len(refused) < 0.95
     moved.append(lazy != start)
   assert any(moved)
+
+
+@pytest.mark.parametrize("memory_bytes", [16e9, 2e9])
+def test_a_trimmed_parallel_cover_splits_at_the_cut_branch(memory_bytes):
+  # `DPSolver.parallel` with a trim adds the untrimmed cover before the
+  # cut branch, its head and the later branches' own cover; a pass over
+  # the branches with the trim (`_cover`) must give the same minimum for
+  # every absorbing option, depth, stages after and target, both fills.
+  graph = candle_like(4)
+  c = StageCosts(graph, V100, 64, 8, memory_bytes)
+  tree = GraphPipePartitioner(graph, c).tree
+  options, targets = [], set()
+  for nodes in tree.base_nodes:
+    options.append([])
+    for k in c.replica_counts(8):
+      cap = c.in_flight_capacity(nodes, 8, k)
+      if cap >= 1:
+        options[-1].append((k, c.time_per_sample(nodes, 8, k), cap))
+        targets.add(options[-1][-1][1])
+  trims = {
+    (tree.children[x][s - 1], i, cut)
+    for (x, s, _), found in tree.absorb_base.items()
+    for i, cut, _ in found
+  }
+  assert trims
+  values = []
+  for fill in ("front", "back"):
+    solver = DPSolver(tree, options, 8, fill=fill)
+    for target in sorted(targets)[:: max(1, len(targets) // 12)]:
+      solver._retarget(target)
+      for par, i, cut in sorted(trims):
+        for depth in range(1, tree.depth[par] + 1):
+          for after in range(4):
+            got = solver.parallel(par, depth, after, (i, cut))[0]
+            want = solver._cover(par, depth, after, (i, cut))[0]
+            assert got == want, (target, par, i, cut, depth, after)
+            values.append(got)
+  assert len(values) > 500 and any(v < dp_solver._INF for v in values)
+  assert any(v >= dp_solver._INF for v in values)
