@@ -237,9 +237,14 @@ def search_tracing_chosen(graph: OpGraph, num_devices: int, search):
   at every size not yet refused, then made true: the chosen plan's chunk
   sizes are traced and a plan holding one that fails is searched again
   without it; where no plan is found, every size the search could have
-  asked about is traced and, if one fails, searched again. The answer is
-  the search's with every size traced beforehand; only the traces it
-  never needed are skipped (a second each at paper size).
+  asked about is traced and, if one fails, searched again.
+
+  Where the model traces at every size (every zoo model), the answer is
+  the search's with every size traced beforehand, without the traces the
+  plan never needed (a second each at paper size). Where it refuses a
+  size the plan never holds it, but need not be the one a search that
+  knew every refusal beforehand finds: that search's candidates never
+  held the refused sizes, this one's did until they were chosen.
   """
   while True:
     with graph.assuming_traces():

@@ -122,8 +122,9 @@ def test_values_laid_out_time_major_keep_one_chunk_size_across_a_cut():
 def test_planners_trace_only_the_sizes_they_choose_and_retry_on_a_refusal():
   # `graphpipe.planning.search.search_tracing_chosen`: the search assumes
   # every size traces, then traces the chosen plan's chunks; chunks of one
-  # fail here, so it searches again without them. The plans equal those
-  # of a graph traced at every size beforehand.
+  # fail here, so it searches again without them. On this model the plans
+  # equal those of a graph traced at every size beforehand (in general
+  # they need not: the first search's candidates held the failing size).
   model = Net(nnx.Rngs(0), pairs=True)
   for planner in ("graphpipe", "sequential", "gpipe"):
     lazy = graphpipe.capture(mse, model, batch_of())
