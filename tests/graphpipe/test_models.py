@@ -294,3 +294,30 @@ def test_same_seed_same_weights():
     np.array_equal(a, b)
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(other), strict=True)
   )
+
+
+def test_abstract_builds_leave_tracer_errors_as_they_were(monkeypatch):
+  # `models.build(abstract=True)` drops JAX's note from the AttributeError
+  # of a traced value's `.sharding` while it builds (the note scans every
+  # equation traced so far: quadratic); afterwards, and after a failing
+  # build, the property is JAX's own again.
+  original = jax.core.Tracer.__dict__["sharding"]
+  models.build("two_branch", models.config("two_branch"), abstract=True)
+  assert jax.core.Tracer.__dict__["sharding"] is original
+
+  def fails(self, config, rngs):
+    raise RuntimeError("the constructor failed")
+
+  monkeypatch.setattr(models.get("two_branch").model_cls, "__init__", fails)
+  with pytest.raises(RuntimeError, match="constructor failed"):
+    models.build("two_branch", models.config("two_branch"), abstract=True)
+  monkeypatch.undo()
+  assert jax.core.Tracer.__dict__["sharding"] is original
+
+  def probe(x):
+    assert not hasattr(x, "sharding")
+    with pytest.raises(AttributeError, match="not available on traced"):
+      x.sharding  # noqa: B018
+    return x
+
+  jax.eval_shape(probe, jax.ShapeDtypeStruct((2,), jnp.float32))
