@@ -92,9 +92,9 @@ class StageCosts:
     self._far_device = num_devices - 1
     self._times: dict[float, tuple[np.ndarray, np.ndarray]] = {}
     self._cache: dict[tuple, object] = {}
-    # (parameter bytes, first device, devices) -> the all-reduce time of
-    # that block (`graphpipe.planning.assemble.place_devices`).
-    self.block_times: dict[tuple[int, int, int], float] = {}
+    # ('ranked', parameter bytes, devices) -> every block start, fastest
+    # all-reduce first (`graphpipe.planning.assemble.place_devices`).
+    self.block_times: dict[tuple, list[int]] = {}
 
   def replica_counts(self, micro_batch: int) -> list[int]:
     """Data-parallel degrees a stage of `micro_batch` may take
