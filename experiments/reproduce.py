@@ -120,6 +120,15 @@ def run_planner(
     "planner": planner,
     "batch_size": batch,
   }
+  # The model traced at every size the search may ask about first: the
+  # search assumes sizes trace and traces the ones it chooses, so a row
+  # would otherwise time the traces the sweep's earlier rows left undone
+  # (about a second each at paper size), not the search.
+  powers = [2**i for i in range(batch.bit_length()) if batch % 2**i == 0]
+  for size in sorted(
+    {b // k for b in powers for k in range(1, devices + 1) if b % k == 0}
+  ):
+    graph.traces_at(size)
   start = time.perf_counter()
   try:
     p = plan(
