@@ -44,7 +44,9 @@ from experiments.reproduction import figures, paper, report, sizes
 from graphpipe import capture, models, plan, simulate
 from graphpipe.costs import AnalyticCostModel, device_spec
 from graphpipe.errors import GraphpipeError, PlanError
+from graphpipe.planning.arguments import searched_sizes
 from graphpipe.planning.piper import PIPER_BUDGET
+from graphpipe.planning.search import chunk_sizes
 from graphpipe.simulator import iteration_floor
 
 PLANNERS = ("graphpipe", "sequential", "piper")
@@ -124,10 +126,7 @@ def run_planner(
   # search assumes sizes trace and traces the ones it chooses, so a row
   # would otherwise time the traces the sweep's earlier rows left undone
   # (about a second each at paper size), not the search.
-  powers = [2**i for i in range(batch.bit_length()) if batch % 2**i == 0]
-  for size in sorted(
-    {b // k for b in powers for k in range(1, devices + 1) if b % k == 0}
-  ):
+  for size in chunk_sizes(searched_sizes(batch, None), devices):
     graph.traces_at(size)
   start = time.perf_counter()
   try:

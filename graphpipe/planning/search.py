@@ -255,11 +255,17 @@ def search_tracing_chosen(graph: OpGraph, num_devices: int, search):
       if all([graph.traces_at(c) for c in sorted(chunks)]):
         return sizes, best
       continue
-    asked = {
-      b // k for b in sizes for k in range(1, num_devices + 1) if b % k == 0
-    }
-    if all([graph.traces_at(c) for c in sorted(asked)]):
+    asked = chunk_sizes(sizes, num_devices)
+    if all([graph.traces_at(c) for c in asked]):
       return sizes, None
+
+
+def chunk_sizes(sizes: Sequence[int], num_devices: int) -> list[int]:
+  """Every chunk a search over micro-batch `sizes` may ask the model to
+  trace at: b / k for each size b and each replica count k dividing it."""
+  return sorted(
+    {b // k for b in sizes for k in range(1, num_devices + 1) if b % k == 0}
+  )
 
 
 def recorded_name(device: str | DeviceSpec) -> str:
