@@ -66,6 +66,7 @@ def run(
   max_padding: float | None = None,
   piper_budget: int = PIPER_BUDGET,
   stage_shardings: tuple[str, ...] = ("replicated",),
+  split_layers: dict[str, int] | None = None,
 ) -> dict:
   """Captures, plans, schedules and simulates; writes DIR's files.
 
@@ -91,6 +92,8 @@ def run(
     stage_shardings: `graphpipe.plan`'s layouts a stage may take
       (('replicated', 'zero1'): stages on several devices shard their
       optimizer state, ZeRO-1).
+    split_layers: layers captured in parts by output features, each part
+      its own node (`graphpipe.capture`'s): {'head.layers.0': 4}.
 
   Returns:
     The dict written to results.json.
@@ -105,7 +108,7 @@ def run(
     chosen = models.default_batch_size(model, num_devices)
   common.log(f"[1/4] capturing {model} ({config})")
   start = time.perf_counter()
-  graph = models.capture_zoo(model, config)
+  graph = models.capture_zoo(model, config, split_layers=split_layers)
   capture_s = time.perf_counter() - start
   common.log(
     f"      {len(graph.nodes)} nodes, {len(graph.edges)} edges in "
@@ -272,8 +275,41 @@ def define_flags() -> None:
     "Layouts a stage may take: replicated, or replicated,zero1 (stages on "
     "several devices shard their optimizer state, ZeRO-1).",
   )
+  flags.DEFINE_list(
+    "split_layers",
+    [],
+    "Layers to capture in parts by output features, each part its own "
+    "node (tensor parallelism as branches): name:parts,... e.g. "
+    "head.layers.0:4.",
+  )
+  flags.register_validator(
+    "split_layers",
+    _valid_split_layers,
+    message="--split_layers takes name:parts items with parts >= 2 "
+    "(head.layers.0:4)",
+  )
   common.define_piper_budget()
   common.define_out()
+
+
+def _valid_split_layers(items) -> bool:
+  try:
+    return all(parts >= 2 for parts in parse_split_layers(items).values())
+  except GraphpipeError:
+    return False
+
+
+def parse_split_layers(items) -> dict[str, int]:
+  """['head.layers.0:4', ...] -> {'head.layers.0': 4}."""
+  out = {}
+  for item in items:
+    name, _, parts = str(item).rpartition(":")
+    if not name or not parts.isdigit():
+      raise GraphpipeError(
+        f"--split_layers takes name:parts items (head.layers.0:4), got {item!r}"
+      )
+    out[name] = int(parts)
+  return out
 
 
 def main(argv):
@@ -294,6 +330,7 @@ def main(argv):
       max_padding=options.max_padding,
       piper_budget=options.piper_budget,
       stage_shardings=tuple(options.stage_shardings),
+      split_layers=parse_split_layers(options.split_layers),
     )
   except GraphpipeError as err:
     raise SystemExit(f"experiments.plan: {err}") from err

@@ -2,7 +2,8 @@
 
 Besides the speed-ups, it sets out the ceiling no plan passes in this cost
 model (`graphpipe.simulator.iteration_floor`), so a figure below the
-paper's says whether any planner could have reached it.
+paper's says whether any planner could have reached it, and which split
+of the layer after the concatenation each planner chose.
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ def branch_section(results) -> list[str]:
     value = entry["graphpipe_over_best_baseline"]
     series.append((entry["branches"], value))
     lines.append(
-      f"| {entry['branches']} | {cell(rows, 'graphpipe')} | "
-      f"{cell(rows, 'sequential')} | {cell(rows, 'piper')} | "
+      f"| {entry['branches']} | {_cell(rows, 'graphpipe')} | "
+      f"{_cell(rows, 'sequential')} | {_cell(rows, 'piper')} | "
       f"{ratio(value)} | {ratio(ceiling(results, entry['branches']))} |"
     )
   lines.append("")
+  lines += _split_sentences(results)
   known = [(b, r) for b, r in series if r is not None]
   if not known:
     return lines
@@ -77,11 +79,17 @@ def branch_section(results) -> list[str]:
       if floor.get("param_bytes")
       else ""
     )
+    parts = max(data.get("split_parts") or [1])
+    split = (
+      f", with the layer split into up to {parts} parts"
+      if parts > 1
+      else " (the sweep did not split it: --split_parts=1)"
+    )
     lines.append(
       f"Why lower: at {_plural(last)} node `{floor['node']}`{weights} "
       "bounds every planner's iteration alike: on few devices its compute "
-      "is slow, on many its gradient all-reduce and optimizer step add up "
-      "(tensor parallelism, which would split it, is not implemented)."
+      "is slow, on many its gradient all-reduce and optimizer step add up"
+      f"{split}."
     )
   lines += _ceiling_sentences(results, last)
   first, start = known[0]
@@ -100,6 +108,43 @@ def branch_section(results) -> list[str]:
       "builds."
     )
   return lines
+
+
+def _cell(rows, planner) -> str:
+  """`cell`, with the parts of the split layer where the row split it."""
+  row = next((r for r in rows if r["planner"] == planner), None)
+  parts = (row or {}).get("split_parts", 1)
+  text = cell(rows, planner)
+  if parts > 1 and "error" not in row:
+    text += f" ({parts} parts)"
+  return text
+
+
+def _split_sentences(results) -> list[str]:
+  """Which splits were planned and which each planner kept."""
+  data = results["branch_sweep"]
+  options = data.get("split_parts") or [1]
+  if max(options) <= 1:
+    return []
+  layer = data.get("split_layer", "the layer after the concatenation")
+  shown = ", ".join(str(p) for p in options if p > 1)
+  last = max(r["branches"] for r in data["rows"])
+  chosen = [
+    f"{r['planner']} {r.get('split_parts', 1)}"
+    for r in data["rows"]
+    if r["branches"] == last and "error" not in r
+  ]
+  return [
+    f"Every planner planned each branch count with `{layer}` whole and in "
+    f"{shown} parts (`graphpipe.capture`'s `split_layers`: the layer's "
+    "product cut by output features, each part a node; tensor "
+    "parallelism as graph branches) and kept its fastest plan; parts "
+    f"chosen at {_plural(last)}: {', '.join(chosen) or 'none'}. GraphPipe "
+    "runs the parts as concurrent stages; a chain planner can only give "
+    "them consecutive stages, each carrying the layer's input and the "
+    "parts done so far.",
+    "",
+  ]
 
 
 def _missing(rows) -> str:

@@ -40,6 +40,7 @@ from graphpipe.frontend.program import (
   primitive_signature,
   source_input,
 )
+from graphpipe.frontend.split import Splits, part_labels
 from graphpipe.frontend.unroll import Stacks, layer_labels
 
 
@@ -65,6 +66,7 @@ def capture(
   rngs: Sequence[str] = (),
   granularity: str | int = "layer",
   costs: bool = True,
+  split_layers: dict[str, int] | None = None,
   name: str = "",
   config: str = "",
 ) -> OpGraph:
@@ -108,6 +110,11 @@ def capture(
       that depth). 'block' means depth 2.
     costs: measure FLOPs and bytes per node with XLA (a few seconds at
       paper scale); False leaves them zero.
+    split_layers: parameter or module name -> number of parts: each such
+      weight (of a matrix product or convolution) is cut by output
+      features into that many parameters, each product part its own node
+      (tensor parallelism as graph branches, `graphpipe.frontend.split`):
+      {'head': 4}. The trainer's parameters keep the unsplit form.
     name, config: descriptive labels stored in the graph.
 
   Returns:
@@ -163,6 +170,8 @@ def capture(
   updated: list[int] | None = None
   # Scanned layer stacks unrolled, one node per layer: known after it.
   stacks: Stacks | None = None
+  # Layers split by output features (split_layers): known after it.
+  splits: Splits | None = None
 
   # Collective axes the model's code names (BatchNorm(axis_name=...)):
   # the data-parallel replicas of a micro-batch. graphpipe runs a stage of
@@ -238,12 +247,21 @@ def capture(
         f"{[f'{a.dtype}{list(a.shape)}' for a in outs]}. Reduce the loss "
         "over the batch (e.g. jnp.mean) and return only the loss"
       )
-    return closed if stacks is None else stacks.unroll(closed)[0]
+    if stacks is None:
+      return closed
+    closed = stacks.unroll(closed)[0]
+    return closed if splits is None else splits.apply(closed)[0]
 
   updated = _updated_state(trace(batch_size), bound)
   raw = trace(batch_size)
   stacks = Stacks.find(raw, len(bound.param_names) + len(bound.state_names))
-  closed, origin = stacks.unroll(raw)
+  unrolled, origin = stacks.unroll(raw)
+  # (Split layers: 'head.kernel#0of4' ..., each part of the product its
+  # own node.)
+  splits = Splits.find(
+    unrolled, stacks.names(bound.param_names), dict(split_layers or {})
+  )
+  closed, parts = splits.apply(unrolled)
   large = trace(2 * batch_size)
   if primitive_signature(large.jaxpr) != primitive_signature(closed.jaxpr):
     raise CaptureError(
@@ -254,8 +272,8 @@ def capture(
   jaxpr = closed.jaxpr
   update_keys = [f"state:{bound.state_names[j]}" for j in updated]
   # (Stacked variables as one input per layer: 'layers.lin.kernel[3]'.)
-  var_names = stacks.names(bound.param_names + bound.state_names)
-  num_params = stacks.position(len(bound.param_names))
+  var_names = splits.names(stacks.names(bound.param_names + bound.state_names))
+  num_params = splits.position(stacks.position(len(bound.param_names)))
   num_model_vars = len(var_names)
   input_keys = (
     [f"param:{n}" for n in var_names[:num_params]]
@@ -270,13 +288,19 @@ def capture(
     large.jaxpr,
     num_model_vars,
     len(bound.stream_names),
-    [stacks.position(len(bound.param_names) + j) for j in updated],
+    [
+      splits.position(stacks.position(len(bound.param_names) + j))
+      for j in updated
+    ],
   )
 
-  labels = layer_labels(
-    labels_of(jaxpr, bound.framework, depth),
-    origin,
-    labels_of(raw.jaxpr, bound.framework, depth),
+  labels = part_labels(
+    layer_labels(
+      labels_of(unrolled.jaxpr, bound.framework, depth),
+      origin,
+      labels_of(raw.jaxpr, bound.framework, depth),
+    ),
+    parts,
   )
   module_eqns = [i for i in form.body if labels[i]]
   if not module_eqns:
@@ -326,9 +350,19 @@ def capture(
     form=form,
     batch_size=batch_size,
     closed=closed,
-    flatten=lambda *args: stacks.split(flatten(*args)),
+    flatten=lambda *args: splits.split(stacks.split(flatten(*args))),
     unflatten_params=lambda leaves, kind="param": unflatten(
-      stacks.join(leaves, first[kind], count[kind]), kind
+      stacks.join(
+        splits.join(
+          leaves,
+          stacks.position(first[kind]),
+          stacks.position(first[kind] + count[kind])
+          - stacks.position(first[kind]),
+        ),
+        first[kind],
+        count[kind],
+      ),
+      kind,
     ),
     update_keys=update_keys,
   )
@@ -354,6 +388,10 @@ def capture(
     whole_batch_only=form.unsplittable,
     collective_axes=list(axes),
     cut_rules=program.cut_rules(),
+    split_layers={
+      stacks.names(bound.param_names)[k]: n
+      for k, (n, _) in splits.parts.items()
+    },
   )
   graph.model = name or bound.root
   graph.config = config

@@ -270,6 +270,7 @@ def capture_zoo(
   batch_size: int | None = None,
   granularity=None,
   costs: bool = True,
+  split_layers: dict[str, int] | None = None,
 ) -> OpGraph:
   """Captures zoo model `name` at size `size` on abstract weights.
 
@@ -285,6 +286,8 @@ def capture_zoo(
       it (default 8).
     granularity: as in `graphpipe.capture`; default the model's depth.
     costs: measure per-node FLOPs and bytes.
+    split_layers: as in `graphpipe.capture`: layers cut by output
+      features into parts, each its own node ({'head.layers.0': 4}).
   """
   spec = get(name)
   cfg = config(name, size)
@@ -303,6 +306,7 @@ def capture_zoo(
     batch,
     granularity=(spec.capture_depth if granularity is None else granularity),
     costs=costs,
+    split_layers=split_layers,
     name=name,
     config=size,
   )

@@ -42,6 +42,8 @@ def results(tmp_path_factory):
     "dlrm": candle_like(3),
     "candle_uno": candle_like(3),
     ("candle_uno", 2): candle_like(2),
+    # (A stand-in for the sweep's graph with its split layer in 2 parts.)
+    ("candle_uno", 2, 2): candle_like(3),
     "transformer": transformer(4),
     "two_branch": two_branch(),
   }
@@ -49,6 +51,7 @@ def results(tmp_path_factory):
     devices=(4,),
     sweep_devices=4,
     branches=(2,),
+    split_parts=(1, 2),
     piper_budget=5_000,
     memory_shares=(0.25,),
     graphs=graphs,
@@ -422,3 +425,34 @@ def test_the_results_page_is_made_from_results_json_and_follows_it(results):
   results_pages.write(str(pages), str(changed), [])
   after = open(page).read()
   assert "9.87x" in after and "9.87x" not in before
+
+
+def test_the_branch_sweep_plans_the_split_layer_for_every_planner():
+  """Tiny CANDLE-Uno captured with its layer after the concatenation whole
+  and in 2 parts: each planner plans both and keeps its faster plan."""
+  setup = reproduce.Setup(
+    config="tiny",
+    sweep_devices=4,
+    branches=(3,),
+    split_parts=(1, 2),
+    piper_budget=5_000,
+  )
+  progress = common.Progress(6, "configuration", say=lambda _: None)
+  sweep = reproduce.branch_sweep(setup, progress)
+  split = setup.graphs[("candle_uno", 3, 2)]
+  ((param, parts),) = split.meta["split_layers"].items()
+  assert param.startswith(reproduce.SPLIT_LAYER + ".") and parts == 2
+  names = [n.name for n in split.nodes]
+  assert f"{reproduce.SPLIT_LAYER}#1of2" in names
+  assert len(sweep["tried"]) == 2 * len(reproduce.PLANNERS)
+  for row in sweep["rows"]:
+    tried = [
+      t["throughput_samples_per_s"]
+      for t in sweep["tried"]
+      if t["planner"] == row["planner"] and t["throughput_samples_per_s"]
+    ]
+    if "error" not in row:
+      assert row["throughput_samples_per_s"] == max(tried)
+      assert row["split_parts"] in (1, 2)
+  floor = sweep["floor"][3]
+  assert floor["split_parts"] in (1, 2) and floor["seconds"] > 0
