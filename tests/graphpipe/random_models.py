@@ -214,6 +214,17 @@ def make_batch(spec: Spec, batch_size: int, seed: int = 0, dtype=None):
   return batch
 
 
+def draw_split(spec: Spec, seed: int) -> dict[str, int] | None:
+  """`capture`'s split_layers for every third model (seeds 1, 4, 7, ...):
+  its widest parameter-heavy layer in 2 or 3 parts, None otherwise."""
+  dense = [i for i, k in enumerate(spec.kinds) if k == "params"]
+  if seed % 3 != 1 or not dense:
+    return None
+  widest = max(dense, key=lambda i: spec.widths[i])
+  parts = min(2 + seed % 2, spec.widths[widest])
+  return {f"layers.{widest}.linear": parts} if parts >= 2 else None
+
+
 def build(seed: int, quirks: bool = False, **kwargs) -> RandomModel:
   spec = draw_spec(seed, quirks=quirks)
   return RandomModel(spec, rngs=nnx.Rngs(seed), **kwargs)

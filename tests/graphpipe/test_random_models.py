@@ -17,7 +17,9 @@ whole batch. The planners must return only plans the trainer runs
 Every second round of the planners (NNX models 4-7, 12-15, ...) plans
 with ZeRO-1 stages allowed, under twice the tightest memory (room for
 data-parallel stages, which then shard their optimizer state), instead of
-the tightest plan.
+the tightest plan. Every third NNX model (1, 4, 7, ...) is captured with
+its widest parameter-heavy layer split into parts by output features
+(`capture`'s split_layers, `random_models.draw_split`).
 
 GRAPHPIPE_RANDOM_MODELS=N runs N models (default 10), N // 5 of them linen.
 """
@@ -108,10 +110,24 @@ def test_random_nnx_model_trains_exactly(seed):
   model = rm.build(seed, quirks=True)
   spec = model.spec
   batches = [rm.make_batch(spec, BATCH, seed=s) for s in range(STEPS)]
+  split = rm.draw_split(spec, seed)
   graph = graphpipe.capture(
-    rm.loss_fn, model, batches[0], granularity=2, costs=False
+    rm.loss_fn,
+    model,
+    batches[0],
+    granularity=2,
+    costs=False,
+    split_layers=split,
   )
   assert len(graph.nodes) >= len(spec.reads)  # a node per layer at least
+  if split:  # one node per part, named after the layer
+    ((layer, parts),) = split.items()
+    names = [n.name for n in graph.nodes]
+    for k in range(parts):
+      assert any(
+        n.startswith(layer.rsplit(".", 1)[0]) and n.endswith(f"#{k}of{parts}")
+        for n in names
+      ), names
   # Every planner in turn, then every planner again with ZeRO-1 stages.
   sharded = (seed // len(graphpipe.PLANNERS)) % 2 == 1
   plan, losses, params = _pipelined(graph, planner, model, batches, sharded)
