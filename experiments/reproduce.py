@@ -15,6 +15,8 @@ DIR/REPRODUCTION.md beside the paper's numbers:
                 the layer after the concatenation captured whole and in 2,
                 4 and 8 parts (`graphpipe.capture`'s split_layers): each
                 planner's row is its fastest of them
+  split_throughput  the candle_uno rows of `throughput` again, each
+                planner at its fastest over the same splits
   ablation      at 32 devices, GraphPipe at the sequential plan's
                 micro-batch size (concurrency only) and with its own, over
                 sequential
@@ -100,10 +102,13 @@ class Setup:
     key = name if branches is None else (name, branches)
     if parts > 1:
       key = (name, branches, parts)
+    split = {SPLIT_LAYER: parts} if parts > 1 else None
     if key not in self.graphs:
       start = time.perf_counter()
       if branches is None:
-        self.graphs[key] = models.capture_zoo(name, self.config)
+        self.graphs[key] = models.capture_zoo(
+          name, self.config, split_layers=split
+        )
       else:
         spec = models.get(name)
         cfg = dataclasses.replace(
@@ -114,7 +119,7 @@ class Setup:
           models.build(name, cfg, abstract=True),
           spec.abstract_batch(cfg, 8),
           granularity=spec.capture_depth,
-          split_layers={SPLIT_LAYER: parts} if parts > 1 else None,
+          split_layers=split,
           name=name,
           config=f"{self.config}, {branches} branches"
           + (f", {SPLIT_LAYER} in {parts} parts" if parts > 1 else ""),
@@ -224,6 +229,36 @@ def sweep_throughput(setup: Setup, through: dict, progress) -> dict:
   )
 
 
+def best_over_splits(
+  setup: Setup, branches, devices: int, planner: str, progress, whole=None
+) -> tuple[dict, list[dict]]:
+  """`planner`'s fastest CANDLE-Uno plan (`branches` branches, None: the
+  config's) over `SPLIT_LAYER` whole and in `setup.split_parts` parts;
+  `whole` is the unsplit row where it was run already. Returns (that
+  row, with its split_parts; every option's throughput)."""
+  best, tried = None, []
+  for parts in setup.split_parts:
+    if parts == 1 and whole is not None:
+      row = dict(whole)
+    else:
+      graph = setup.graph("candle_uno", branches, parts)
+      row = run_planner(setup, graph, "candle_uno", devices, planner)
+      where = f"{branches} branches, " if branches else ""
+      progress.step(f"{where}{parts} parts: " + note(row))
+    row["split_parts"] = parts
+    tried.append(
+      {
+        "num_devices": devices,
+        "planner": planner,
+        "split_parts": parts,
+        "throughput_samples_per_s": row.get("throughput_samples_per_s"),
+      }
+    )
+    if best is None or _faster(row, best):
+      best = row
+  return best, tried
+
+
 def branch_sweep(setup: Setup, progress) -> dict:
   """Each planner at each branch count: its fastest plan over the graphs
   with `SPLIT_LAYER` whole or in `split_parts` (the same options for
@@ -231,25 +266,12 @@ def branch_sweep(setup: Setup, progress) -> dict:
   rows, tried = [], []
   for branches in setup.branches:
     for planner in PLANNERS:
-      best = None
-      for parts in setup.split_parts:
-        graph = setup.graph("candle_uno", branches, parts)
-        row = run_planner(
-          setup, graph, "candle_uno", setup.sweep_devices, planner
-        )
-        row.update(branches=branches, split_parts=parts)
-        tried.append(
-          {
-            "branches": branches,
-            "planner": planner,
-            "split_parts": parts,
-            "throughput_samples_per_s": row.get("throughput_samples_per_s"),
-          }
-        )
-        progress.step(f"{branches} branches, {parts} parts: " + note(row))
-        if best is None or _faster(row, best):
-          best = row
+      best, options = best_over_splits(
+        setup, branches, setup.sweep_devices, planner, progress
+      )
+      best["branches"] = branches
       rows.append(best)
+      tried += [t | {"branches": branches} for t in options]
   return {
     "rows": rows,
     "speedup": speedups(rows, "branches"),
@@ -269,6 +291,36 @@ def branch_sweep(setup: Setup, progress) -> dict:
       )
       for branches in setup.branches
     },
+  }
+
+
+def split_throughput(setup: Setup, through: dict, progress) -> dict:
+  """CANDLE-Uno's throughput figure again, each planner at its fastest
+  over `SPLIT_LAYER` whole and in parts (the whole rows are `through`'s)."""
+  rows, tried = [], []
+  for devices in setup.devices:
+    for planner in PLANNERS:
+      whole = next(
+        (
+          r
+          for r in through["rows"]
+          if r["model"] == "candle_uno"
+          and r["num_devices"] == devices
+          and r["planner"] == planner
+        ),
+        None,
+      )
+      best, options = best_over_splits(
+        setup, None, devices, planner, progress, whole
+      )
+      rows.append(best)
+      tried += options
+  return {
+    "rows": rows,
+    "speedup": speedups(rows, "num_devices"),
+    "split_layer": SPLIT_LAYER,
+    "split_parts": list(setup.split_parts),
+    "tried": tried,
   }
 
 
@@ -410,6 +462,9 @@ def run(setup: Setup, out: str, plots: bool = True) -> dict:
   steps = (
     len(MODELS) * len(setup.devices) * (len(PLANNERS) + 1)
     + len(setup.branches) * len(PLANNERS) * len(setup.split_parts)
+    + len(setup.devices)
+    * len(PLANNERS)
+    * len([p for p in setup.split_parts if p > 1])
     + len(MODELS)
     + len(PLANNERS) * (1 + len(setup.devices))
     + 3 * len([d for d in setup.devices if d <= 16])
@@ -425,6 +480,7 @@ def run(setup: Setup, out: str, plots: bool = True) -> dict:
   at_sweep = sweep_throughput(setup, through, progress)
   results = {"throughput": through}
   results["branch_sweep"] = branch_sweep(setup, progress)
+  results["split_throughput"] = split_throughput(setup, through, progress)
   results["ablation"] = ablation(setup, at_sweep, progress)
   results["search_time"] = search_time(setup, at_sweep)
   results["case_study"] = case_study(setup, progress)
@@ -435,7 +491,13 @@ def run(setup: Setup, out: str, plots: bool = True) -> dict:
   results["pipedream_check"] = pipedream.reproduce_rows(
     setup, through, results["parity"], progress
   )
-  for key in ("throughput", "branch_sweep", "case_study", "parity"):
+  for key in (
+    "throughput",
+    "branch_sweep",
+    "split_throughput",
+    "case_study",
+    "parity",
+  ):
     results[key]["rows"] = _public(results[key]["rows"])
   results["paper"] = paper.PAPER
   results["config"] = {

@@ -17,7 +17,10 @@ from experiments.reproduction.extras import (
 )
 from experiments.reproduction.extras import ratio as _ratio
 from experiments.reproduction.paper import PAPER
-from experiments.reproduction.sweep import branch_section
+from experiments.reproduction.sweep import (
+  branch_section,
+  split_throughput_section,
+)
 
 
 def _rows(results, figure, **match):
@@ -393,6 +396,7 @@ def markdown(results) -> str:
   for section in (
     throughput_section,
     branch_section,
+    split_throughput_section,
     ablation_section,
     search_section,
     case_section,
@@ -411,9 +415,19 @@ def summary(results) -> str:
   )
   ablation = [r["concurrency_only"] for r in results["ablation"]["rows"]]
   checks = results.get("pipedream_check", {"rows": []})["rows"]
+  split = sorted(
+    results.get("split_throughput", {}).get("speedup", []),
+    key=lambda e: e["num_devices"],
+  )
   return (
     "branch sweep speed-ups: "
     + ", ".join(_ratio(e["graphpipe_over_best_baseline"]) for e in sweep)
+    + (
+      "\ncandle_uno with a split layer: "
+      + ", ".join(_ratio(e["graphpipe_over_best_baseline"]) for e in split)
+      if split
+      else ""
+    )
     + "\nconcurrency-only ablation: "
     + ", ".join(_or_no_plan(r) for r in ablation)
     + f"\nPipeDream check: {sum(r['passes'] for r in checks)}/{len(checks)}"

@@ -209,3 +209,53 @@ def _ceiling_sentences(results, branches) -> list[str]:
     "counts neither the pipeline's fill nor the smaller micro-batches that "
     "a pipeline needs)."
   ]
+
+
+def split_throughput_section(results) -> list[str]:
+  """CANDLE-Uno's throughput with each planner at its fastest split."""
+  data = results.get("split_throughput")
+  if not data or not data["rows"]:
+    return []
+  whole = {
+    e["num_devices"]: e["graphpipe_over_best_baseline"]
+    for e in results["throughput"]["speedup"]
+    if e["model"] == "candle_uno"
+  }
+  layer = data.get("split_layer", "the layer after the concatenation")
+  shown = ", ".join(str(p) for p in data["split_parts"])
+  lines = [
+    "## CANDLE-Uno throughput with a split layer (`split_throughput`)",
+    "",
+    "Paper: pipeline and data parallelism only (no split layers).",
+    "",
+    f"Each planner planned the paper config with `{layer}` in {shown} "
+    "part(s) and kept its fastest plan (the same options for all).",
+    "",
+    "| devices | graphpipe | sequential | piper | graphpipe / best "
+    "baseline | unsplit (`throughput`) |",
+    "|---|---|---|---|---|---|",
+  ]
+  entries = sorted(data["speedup"], key=lambda e: e["num_devices"])
+  for entry in entries:
+    rows = [r for r in data["rows"] if r["num_devices"] == entry["num_devices"]]
+    lines.append(
+      f"| {entry['num_devices']} | {_cell(rows, 'graphpipe')} | "
+      f"{_cell(rows, 'sequential')} | {_cell(rows, 'piper')} | "
+      f"{ratio(entry['graphpipe_over_best_baseline'])} | "
+      f"{ratio(whole.get(entry['num_devices']))} |"
+    )
+  lines.append("")
+  known = [
+    (e["num_devices"], e["graphpipe_over_best_baseline"])
+    for e in entries
+    if e["graphpipe_over_best_baseline"] is not None
+  ]
+  if known:
+    lines.append(
+      "Ours: "
+      + ", ".join(f"{d} devices {r:.2f}x" for d, r in known)
+      + " over the best baseline with the split layer, against "
+      + ", ".join(f"{ratio(whole.get(d))}" for d, _ in known)
+      + " unsplit."
+    )
+  return lines

@@ -44,6 +44,7 @@ def results(tmp_path_factory):
     ("candle_uno", 2): candle_like(2),
     # (A stand-in for the sweep's graph with its split layer in 2 parts.)
     ("candle_uno", 2, 2): candle_like(3),
+    ("candle_uno", None, 2): candle_like(3),
     "transformer": transformer(4),
     "two_branch": two_branch(),
   }
@@ -89,6 +90,27 @@ def test_the_report_sets_each_figure_beside_the_paper(results):
   # Generated from the numbers: the sweep's ratio appears in the text.
   ratio = found["branch_sweep"]["speedup"][0]["graphpipe_over_best_baseline"]
   assert f"{ratio:.2f}x" in text
+
+
+def test_the_split_throughput_keeps_each_planners_fastest_split(results):
+  found, out = results
+  data = found["split_throughput"]
+  assert {r["num_devices"] for r in data["rows"]} == {4}
+  for row in data["rows"]:
+    options = [
+      t["throughput_samples_per_s"]
+      for t in data["tried"]
+      if t["planner"] == row["planner"] and t["throughput_samples_per_s"]
+    ]
+    assert (
+      len([t for t in data["tried"] if t["planner"] == row["planner"]]) == 2
+    )
+    if "error" not in row:
+      assert row["throughput_samples_per_s"] == max(options)
+  text = (out / "REPRODUCTION.md").read_text()
+  assert "(`split_throughput`)" in text
+  ratio = data["speedup"][0]["graphpipe_over_best_baseline"]
+  assert f"4 devices {ratio:.2f}x over the best baseline" in text
 
 
 def test_no_plan_of_the_sweep_beats_its_floor(results):
