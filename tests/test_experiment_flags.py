@@ -84,6 +84,13 @@ ROWS = [
     "--microbatches must divide --batch_size",
   ),
   ("bench_zero", ["--pairs=0"], "is not a positive integer"),
+  ("bench_split", ["--pairs=0"], "is not a positive integer"),
+  ("bench_split", ["--wide=1"], "is not integer >= 2"),
+  (
+    "bench_split",
+    ["--batch_size=6", "--microbatches=4"],
+    "--microbatches must divide --batch_size",
+  ),
   (
     "bench_zero",
     ["--batch_size=6", "--microbatches=2"],
@@ -124,6 +131,7 @@ ROWS += [
     "disco_settings",
     "bench_runtime",
     "bench_zero",
+    "bench_split",
     "bench_overhead",
   )
   for path in (__file__, __file__ + "/below")

@@ -118,6 +118,27 @@ def test_bench_zero_smoke(tmp_path):
   )
 
 
+def test_bench_split_smoke(tmp_path):
+  results = run(
+    [
+      "experiments.bench_split",
+      "--in_features=16",
+      "--wide=32",
+      "--batch_size=16",
+      "--pairs=2",
+    ],
+    tmp_path,
+  )
+  predicted = results["predicted_step_time_s"]
+  assert set(predicted) == {"whole", "split"}
+  assert all(0 < t < math.inf for t in predicted.values())
+  measured = results["measured_step_time_s"]
+  assert all(0 < t < math.inf for t in measured.values())
+  assert len(results["measured_ratios"]) == 2
+  # Both plans trained the same model alike (3 warm-up steps each).
+  assert results["head_kernel_max_difference"] < 1e-5
+
+
 def test_one_step_reports_no_step_time():
   # The only step also runs the first call's work; it was reported as the
   # step time (95 ms against 7 ms a step from the second on).
