@@ -269,8 +269,12 @@ def in_flight_counts(
   """
   sizes = list(sizes) if sizes is not None else [1] * num_stages
   counts = [1] * num_stages
+  successors: list[list[int]] = [[] for _ in range(num_stages)]
+  for a, b in stage_edges:
+    if 0 <= a < num_stages:
+      successors[a].append(b)
   for s in reversed(range(num_stages)):
-    succ = [b for a, b in stage_edges if a == s]
+    succ = successors[s]
     if any(b <= s for b in succ):
       raise PlanError(
         f"stage ids must be a topological order: stage {s} has an edge "

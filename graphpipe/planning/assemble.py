@@ -65,37 +65,42 @@ def spend_spare_devices(
   edges = stage_edges(graph, part)
   order = _topological(part, edges)
   preds = {s: [a for a, t in edges if t == s] for s in order}
+  # Stage i on k devices: (busy time per micro-batch, sync time), each
+  # asked once (trials change one stage's count at a time).
+  times: dict[tuple[int, int], tuple[float, float]] = {}
+
+  def stage_times(i: int, k: int) -> tuple[float, float]:
+    if (i, k) not in times:
+      nodes = part.stages[i][0]
+      times[i, k] = (
+        costs.microbatch_time(nodes, sizes[i], k),
+        costs.sync_time(nodes, k),
+      )
+    return times[i, k]
 
   def estimate(ks):
-    busy = [
-      costs.microbatch_time(nodes, b, k)
-      for (nodes, _), k, b in zip(part.stages, ks, sizes, strict=True)
-    ]
-    path = {}
+    pairs = [stage_times(i, k) for i, k in enumerate(ks)]
+    busy = [t for t, _ in pairs]
+    path = [0.0] * len(ks)
     for s in order:
-      path[s] = busy[s] + max((path[a] for a in preds[s]), default=0.0)
-    sync = max(
-      costs.sync_time(nodes, k)
-      for (nodes, _), k in zip(part.stages, ks, strict=True)
-    )
+      before = preds[s]
+      path[s] = busy[s] + (max([path[a] for a in before]) if before else 0.0)
+    sync = max([t for _, t in pairs])
     steady = max(
-      (costs.batch_size // b - 1) * t for b, t in zip(sizes, busy, strict=True)
+      [
+        (costs.batch_size // b - 1) * t
+        for b, t in zip(sizes, busy, strict=True)
+      ]
     )
-    return steady + max(path.values()) + sync
+    return steady + max(path) + sync
 
   def twins(ks):
     """Stages that cost the same (e.g. parallel copies of one branch):
     one of them alone with more devices leaves the others on the path."""
     groups = {}
-    for i, ((nodes, _), k, b) in enumerate(
-      zip(part.stages, ks, sizes, strict=True)
-    ):
-      key = (
-        k,
-        b,
-        f"{costs.microbatch_time(nodes, b, k):.12g}",
-        f"{costs.sync_time(nodes, k):.12g}",
-      )
+    for i, (k, b) in enumerate(zip(ks, sizes, strict=True)):
+      busy, sync = stage_times(i, k)
+      key = (k, b, f"{busy:.12g}", f"{sync:.12g}")
       groups.setdefault(key, []).append(i)
     return [g for g in groups.values() if len(g) > 1]
 
@@ -326,21 +331,21 @@ def place_devices(
   by_size = sorted(range(len(part.stages)), key=lambda i: -part.stages[i][1])
   for i in by_size:
     nodes, k = part.stages[i]
+    if k == 1:  # the first free device (none left: no device)
+      first = next((d for d in range(num_devices) if free[d]), None)
+      devices[i] = () if first is None else (first,)
+      if first is not None:
+        free[first] = False
+      continue
     params = graph.variable_bytes(nodes)
-    # Starts of k free devices in a row (`run`: free devices ending at d).
-    starts, run = [], 0
-    for d in range(num_devices):
-      run = run + 1 if free[d] else 0
-      if run >= k:
-        starts.append(d - k + 1)
-    if not starts:  # fragmented by sizes that are not powers of two
+    # The fastest start of k free devices in a row.
+    start = next(
+      (s for s in ranked_starts(params, k) if all(free[s : s + k])), None
+    )
+    if start is None:  # fragmented by sizes that are not powers of two
       devices[i] = tuple([d for d in range(num_devices) if free[d]][:k])
-    elif k > 1:
-      free_starts = set(starts)
-      start = next(s for s in ranked_starts(params, k) if s in free_starts)
-      devices[i] = tuple(range(start, start + k))
     else:
-      devices[i] = (starts[0],)
+      devices[i] = tuple(range(start, start + k))
     for d in devices[i]:
       free[d] = False
   return devices

@@ -151,7 +151,11 @@ class SequentialPartitioner:
       for metric in (ranges.time_per_sample, ranges.steady_time_per_sample):
         solver = _ChainSolver(ranges, metric, self.costs.num_devices)
         for stages in frontier(
-          solver.targets, most, solver.feasible, solver.solve
+          solver.targets,
+          most,
+          solver.feasible,
+          solver.solve,
+          solver.fewest_stages,
         ):
           out.append(Partition(tuple(stages), micro_batch, chain=True))
     return distinct(out)
@@ -274,6 +278,11 @@ def _range_sums(values) -> np.ndarray:
   return prefix[None, 1:] - prefix[:-1, None]
 
 
+# Stage counts tried before `_ChainSolver.fewest_stages` asks whether any
+# cover fits the devices at all (most targets answer sooner).
+_BOUND_AFTER = 8
+
+
 class _ChainSolver:
   """PipeDream's DP in decision form for one metric, vectorised.
 
@@ -301,6 +310,12 @@ class _ChainSolver:
     self._need_memo: tuple = (None, None)
     # target -> the fewest stages of any cover (`feasible`).
     self._fewest: dict[float, int] = {}
+    # The metric and capacity indexed [count, first, last] (sums over
+    # counts run fastest along the first axis).
+    self._by_count = tuple(
+      np.ascontiguousarray(np.moveaxis(a, 2, 0))
+      for a in (metric, ranges.capacity)
+    )
 
   def _need(self, target: float, bound: int) -> np.ndarray:
     """need[first, last, after] for after < bound (_INF: none fits)."""
@@ -321,7 +336,7 @@ class _ChainSolver:
       self._need_memo = (target, need)
     return self._need_memo[1][:, :, :bound]
 
-  def _fewest_stages(self, target: float) -> int:
+  def fewest_stages(self, target: float) -> int:
     """The fewest stages of any cover within `target` on the devices
     (more than `most` stages: none).
 
@@ -337,19 +352,23 @@ class _ChainSolver:
       ranges = self.ranges
       n = len(ranges.chain.order)
       most = min(n, self.devices)
-      within = self.metric <= target * (1 + 1e-9)
-      rooms = [
-        np.where(within[:, :, i], ranges.capacity[:, :, i], 0)
-        for i in range(len(ranges.counts))
-      ]
+      within = self._by_count[0] <= target * (1 + 1e-9)
+      # [i, first, last]: the most in flight any of the first i + 1
+      # counts holds within the target. Counts ascend, so the smallest
+      # that holds s in flight is counts[number of entries below s].
+      best = np.maximum.accumulate(
+        np.where(within, self._by_count[1], 0), axis=0
+      )
+      counts = np.append(np.asarray(ranges.counts, dtype=np.int64), _INF)
       after = np.full(n + 1, _INF, dtype=np.int64)
       after[n] = 0  # nothing left, no stages
       found = most + 1
       for s in range(1, most + 1):
-        need = np.full((n, n), _INF, dtype=np.int64)
-        # Counts ascend: the smallest that holds s in flight wins.
-        for i in reversed(range(len(rooms))):
-          need = np.where(rooms[i] >= s, ranges.counts[i], need)
+        need = counts[(best < s).sum(axis=0)]
+        if s == 1:
+          lowest = need  # no stage needs fewer devices than this
+        elif s == _BOUND_AFTER and self._fewest_devices(lowest) > self.devices:
+          break  # no cover of any length fits the devices
         cover = np.minimum((need + after[None, 1:]).min(axis=1), _INF)
         if cover[0] <= self.devices:
           found = s
@@ -357,6 +376,18 @@ class _ChainSolver:
         after[:n] = cover
       self._fewest[target] = found
     return self._fewest[target]
+
+  @staticmethod
+  def _fewest_devices(need: np.ndarray) -> int:
+    """The fewest devices of a cover by stages of any number, each range
+    first..last costing need[first, last]."""
+    n = need.shape[0]
+    least = np.zeros(n + 1, dtype=np.int64)  # [i]: the prefix 0..i-1
+    for last in range(n):
+      least[last + 1] = min(
+        (least[: last + 1] + need[: last + 1, last]).min(), _INF
+      )
+    return int(least[n])
 
   def _table(self, target: float, bound: int, backs: bool = False):
     """The device table (see the class docstring), with the back pointers
@@ -378,7 +409,7 @@ class _ChainSolver:
     return padded[1:, :bound], need, front, back
 
   def feasible(self, target: float, bound: int) -> bool:
-    return self._fewest_stages(target) <= bound
+    return self.fewest_stages(target) <= bound
 
   def solve(self, target: float, bound: int, shallowest: bool):
     """(stages used, [front-filled stages, back-filled stages])."""

@@ -44,7 +44,9 @@ class Partition:
 DEPTH_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-def frontier(targets: list[float], max_depth: int, feasible, solve) -> list:
+def frontier(
+  targets: list[float], max_depth: int, feasible, solve, fewest=None
+) -> list:
   """Solutions on the frontier of bottleneck time against pipeline depth.
 
   Binary search on the sorted candidate targets (bottleneck times per
@@ -84,18 +86,38 @@ def frontier(targets: list[float], max_depth: int, feasible, solve) -> list:
       `shallowest`, else those the DP finds under the bound itself (a
       partitioner may return several, e.g. stages filled from the front
       and from the back).
+    fewest: optional `fewest(target)` -> the fewest stages of any solution
+      (`feasible(t, d)` is `fewest(t) <= d`, non-increasing in t): each
+      search then starts from what the earlier ones learned (the same
+      answers, fewer calls).
   """
   if not targets:
     return []
+  # With `fewest`: index -> fewest stages, for every index asked so far.
+  known: dict[int, int] = {}
+
+  def ok(index: int, depth: int) -> bool:
+    if fewest is None:
+      return feasible(targets[index], depth)
+    if index not in known:
+      known[index] = fewest(targets[index])
+    return known[index] <= depth
 
   def fastest(low: int, depth: int) -> int | None:
     """The smallest feasible index from `low` on, or None."""
     high = len(targets) - 1
-    if not feasible(targets[high], depth):
+    if known:
+      # Monotone: feasible at every index past a feasible one, at none
+      # before an infeasible one.
+      high = min([i for i, f in known.items() if f <= depth], default=high)
+      low = max(
+        [low] + [i + 1 for i, f in known.items() if f > depth and i < high]
+      )
+    if not ok(high, depth):
       return None
     while low < high:
       middle = (low + high) // 2
-      if feasible(targets[middle], depth):
+      if ok(middle, depth):
         high = middle
       else:
         low = middle + 1

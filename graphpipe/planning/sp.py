@@ -33,6 +33,7 @@ own), keeping the contracted graph acyclic.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Callable, Iterable, Sequence
 
 from graphpipe.core.graph import OpGraph
@@ -228,13 +229,12 @@ def topological_order(
   ready = sorted((priority(v), v) for v in vertices if indeg[v] == 0)
   order = []
   while ready:
-    _, v = ready.pop(0)
+    _, v = heapq.heappop(ready)
     order.append(v)
     for w in succ[v]:
       indeg[w] -= 1
       if indeg[w] == 0:
-        ready.append((priority(w), w))
-        ready.sort()
+        heapq.heappush(ready, (priority(w), w))
   return order
 
 

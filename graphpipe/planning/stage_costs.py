@@ -166,12 +166,15 @@ class StageCosts:
     """`sync_time` of a stage holding `params` parameter bytes."""
     if params <= 0:
       return 0.0
-    reduce = 0.0
-    if num_devices > 1:
-      reduce = self.cost_model.allreduce_time(params, range(num_devices))
-    return reduce + self.cost_model.optimizer_time(
-      params / self.optimizer_share(num_devices)
-    )
+    key = ("sync of", params, num_devices)
+    if key not in self._cache:
+      reduce = 0.0
+      if num_devices > 1:
+        reduce = self.cost_model.allreduce_time(params, range(num_devices))
+      self._cache[key] = reduce + self.cost_model.optimizer_time(
+        params / self.optimizer_share(num_devices)
+      )
+    return self._cache[key]
 
   def optimizer_share(self, num_devices: int) -> int:
     """Devices a stage on `num_devices` shards its optimizer over (1: it
@@ -444,7 +447,7 @@ def estimate_iteration_time(
 
 
 class NodeTimes:
-  """A cost model whose node times are memoised (one search, one graph)."""
+  """A cost model whose answers are memoised (one search, one graph)."""
 
   def __init__(self, cost_model: CostModel):
     self.model = cost_model
@@ -468,13 +471,22 @@ class NodeTimes:
     return self._times[key]
 
   def transfer_time(self, num_bytes, src, dst) -> float:
-    return self.model.transfer_time(num_bytes, src, dst)
+    key = ("transfer", num_bytes, src, dst)
+    if key not in self._times:
+      self._times[key] = self.model.transfer_time(num_bytes, src, dst)
+    return self._times[key]
 
   def allreduce_time(self, num_bytes, devices) -> float:
-    return self.model.allreduce_time(num_bytes, devices)
+    key = ("allreduce", num_bytes, tuple(devices))
+    if key not in self._times:
+      self._times[key] = self.model.allreduce_time(num_bytes, devices)
+    return self._times[key]
 
   def optimizer_time(self, param_bytes) -> float:
-    return self.model.optimizer_time(param_bytes)
+    key = ("optimizer", param_bytes)
+    if key not in self._times:
+      self._times[key] = self.model.optimizer_time(param_bytes)
+    return self._times[key]
 
 
 def updated_share(stage) -> int:

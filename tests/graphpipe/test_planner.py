@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from graphpipe import costs
@@ -15,7 +16,7 @@ from graphpipe.planning.assemble import (
   spend_spare_devices,
   split_branches,
 )
-from graphpipe.planning.candidates import Partition
+from graphpipe.planning.candidates import Partition, frontier
 from graphpipe.planning.dp_solver import DPSolver
 from graphpipe.planning.graphpipe_dp import GraphPipePartitioner
 from graphpipe.planning.refine import refine
@@ -357,27 +358,115 @@ def test_split_candidates_never_cost_the_plan_it_found_without_them(
   assert found <= without * (1 + 1e-9), (found, without)
 
 
-@pytest.mark.parametrize("memory_bytes", [16e9, 2e9])
-def test_chain_feasibility_in_one_pass_agrees_with_the_table(memory_bytes):
+@pytest.mark.parametrize(
+  "memory_bytes, devices", [(16e9, 8), (2e9, 8), (16e9, 12), (2e9, 12)]
+)
+def test_chain_feasibility_in_one_pass_agrees_with_the_table(
+  memory_bytes, devices, monkeypatch
+):
   # The sequential DP answers feasible(t, S) for every depth bound S from
   # one pass per target; the table of the class docstring answers one
   # bound at a time: the two must agree everywhere (a tight budget makes
-  # the in-flight counts bind).
+  # the in-flight counts bind). Past `_BOUND_AFTER` stage counts the pass
+  # ends early where no cover can fit the devices: that bound must never
+  # end it for a target some cover fits.
   graph = candle_like(3)
-  c = StageCosts(graph, V100, 64, 8, memory_bytes)
+  c = StageCosts(graph, V100, 64, devices, memory_bytes)
+  if devices > 8:  # the bound asked from the second stage count on
+    monkeypatch.setattr(baselines, "_BOUND_AFTER", 2)
+  bounded = []
+  lower_bound = baselines._ChainSolver._fewest_devices
+  monkeypatch.setattr(
+    baselines._ChainSolver,
+    "_fewest_devices",
+    staticmethod(lambda need: bounded.append(1) or lower_bound(need)),
+  )
   answers = []
   for chain in baselines.SequentialPartitioner(graph, c).chains:
     for b in (2, 8):
       ranges = baselines._RangeCosts(chain, c, b)
       for metric in (ranges.time_per_sample, ranges.steady_time_per_sample):
-        solver = baselines._ChainSolver(ranges, metric, 8)
-        most = min(len(chain.order), 8)
+        solver = baselines._ChainSolver(ranges, metric, devices)
+        most = min(len(chain.order), devices)
         for target in solver.targets[:: max(1, len(solver.targets) // 40)]:
           for bound in range(1, most + 1):
             table, *_ = solver._table(target, bound)
             answers.append(solver.feasible(target, bound))
-            assert answers[-1] == (table[-1, 0] <= 8)
+            assert answers[-1] == (table[-1, 0] <= devices)
   assert len(answers) > 500 and 0.1 < sum(answers) / len(answers) < 0.9
+  if devices > 8:
+    assert bounded  # the early end was asked
+
+
+@pytest.mark.parametrize("devices", [6, 12])
+def test_chain_lower_bound_never_ends_a_pass_that_would_fit(
+  devices, monkeypatch
+):
+  # Every target of every chain: the fewest stages with the lower bound
+  # asked from the second stage count on equal those without it, and the
+  # bound decides some targets (it is not vacuous).
+  graph = candle_like(3)
+  c = StageCosts(graph, V100, 64, devices, 4e9)
+  decided = []
+  lower_bound = baselines._ChainSolver._fewest_devices
+
+  def counted(need):
+    found = lower_bound(need)
+    decided.append(found > devices)
+    return found
+
+  for chain in baselines.SequentialPartitioner(graph, c).chains:
+    for b in (1, 4):
+      ranges = baselines._RangeCosts(chain, c, b)
+      metric = ranges.time_per_sample
+      monkeypatch.setattr(baselines, "_BOUND_AFTER", 1 << 30)
+      plain = baselines._ChainSolver(ranges, metric, devices)
+      expected = [plain.fewest_stages(t) for t in plain.targets]
+      monkeypatch.setattr(baselines, "_BOUND_AFTER", 2)
+      monkeypatch.setattr(
+        baselines._ChainSolver, "_fewest_devices", staticmethod(counted)
+      )
+      bounded = baselines._ChainSolver(ranges, metric, devices)
+      assert [bounded.fewest_stages(t) for t in bounded.targets] == expected
+      monkeypatch.undo()
+  assert any(decided)
+
+
+def test_frontier_starting_from_earlier_answers_finds_the_same():
+  # `frontier(..., fewest=)` narrows each binary search with the stage
+  # counts earlier searches learned: the same solutions, fewer calls.
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    _frontier_both_ways(rng)
+
+
+def _frontier_both_ways(rng):
+  size = int(rng.integers(1, 60))
+  targets = sorted(rng.choice(1000, size=size, replace=False).tolist())
+  steps = np.sort(rng.integers(1, 40, size=size))[::-1]  # non-increasing
+  steps[: int(rng.integers(0, size + 1)) // 4] = 99  # fit no depth
+  depth_of = dict(zip(targets, steps.tolist(), strict=True))
+  calls = {"plain": 0, "fewest": 0}
+
+  def feasible(t, d, kind):
+    calls[kind] += 1
+    return depth_of[t] <= d
+
+  def fewest(t):
+    calls["fewest"] += 1
+    return depth_of[t]
+
+  def solve(t, d, shallowest):
+    used = depth_of[t] if shallowest else d
+    return used, [(t, used)]
+
+  most = int(rng.integers(1, 40))
+  plain = frontier(targets, most, lambda t, d: feasible(t, d, "plain"), solve)
+  fast = frontier(
+    targets, most, lambda t, d: feasible(t, d, "fewest"), solve, fewest
+  )
+  assert fast == plain
+  assert calls["fewest"] <= calls["plain"]
 
 
 def test_refine_checking_fits_lazily_walks_the_same_way():
