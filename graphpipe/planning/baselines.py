@@ -400,12 +400,17 @@ class _ChainSolver:
     padded[0, :] = 0
     front = np.zeros((n, bound), dtype=np.int64) if backs else None
     back = np.zeros((n, bound), dtype=np.int64) if backs else None
-    for last in range(n):
-      total = need[: last + 1, last, :] + padded[: last + 1, 1:]
-      padded[last + 1, :bound] = np.minimum(total.min(axis=0), _INF)
+    # Column by column from the most stages after (each column reads only
+    # the next): `bound` steps instead of one per prefix end. total[first,
+    # last] is at least _INF where first > last (no such range), so it is
+    # never a finite minimum; the back pointers are read only along
+    # finite paths.
+    for a in reversed(range(bound)):
+      total = need[:, :, a] + padded[:n, a + 1, None]
+      padded[1:, a] = np.minimum(total.min(axis=0), _INF)
       if backs:
-        back[last] = total.argmin(axis=0)
-        front[last] = last - total[::-1].argmin(axis=0)
+        back[:, a] = total.argmin(axis=0)
+        front[:, a] = n - 1 - total[::-1].argmin(axis=0)
     return padded[1:, :bound], need, front, back
 
   def feasible(self, target: float, bound: int) -> bool:

@@ -87,32 +87,50 @@ def frontier(
       partitioner may return several, e.g. stages filled from the front
       and from the back).
     fewest: optional `fewest(target)` -> the fewest stages of any solution
-      (`feasible(t, d)` is `fewest(t) <= d`, non-increasing in t): each
-      search then starts from what the earlier ones learned (the same
-      answers, fewer calls).
+      (`feasible(t, d)` is `fewest(t) <= d`), asked instead of `feasible`:
+      each answer then settles a target for every depth bound. Either
+      way each binary search starts from what earlier answers (and the
+      depths of `solve`'s shallowest solutions) settled: the same result
+      as searching from scratch, fewer calls.
   """
   if not targets:
     return []
-  # With `fewest`: index -> fewest stages, for every index asked so far.
-  known: dict[int, int] = {}
+  # What the answers so far say of fewest(targets[i]), the fewest stages
+  # of any solution at target i: more than below[i], at most atmost[i].
+  # Feasibility is monotone in the target and the depth, so each search
+  # starts between the indices they already settle.
+  below: dict[int, int] = {}
+  atmost: dict[int, int] = {}
+
+  def learn(index: int, more_than: int, at_most: int | None) -> None:
+    below[index] = max(below.get(index, 0), more_than)
+    if at_most is not None:
+      atmost[index] = min(atmost.get(index, at_most), at_most)
 
   def ok(index: int, depth: int) -> bool:
-    if fewest is None:
-      return feasible(targets[index], depth)
-    if index not in known:
-      known[index] = fewest(targets[index])
-    return known[index] <= depth
+    if atmost.get(index, depth + 1) <= depth:
+      return True
+    if below.get(index, 0) >= depth:
+      return False
+    if fewest is not None:
+      least = fewest(targets[index])
+      learn(index, least - 1, least)
+      return least <= depth
+    answer = feasible(targets[index], depth)
+    if answer:
+      learn(index, 0, depth)
+    else:
+      learn(index, depth, None)
+    return answer
 
   def fastest(low: int, depth: int) -> int | None:
     """The smallest feasible index from `low` on, or None."""
-    high = len(targets) - 1
-    if known:
-      # Monotone: feasible at every index past a feasible one, at none
-      # before an infeasible one.
-      high = min([i for i, f in known.items() if f <= depth], default=high)
-      low = max(
-        [low] + [i + 1 for i, f in known.items() if f > depth and i < high]
-      )
+    high = min(
+      [i for i, d in atmost.items() if d <= depth], default=len(targets) - 1
+    )
+    low = max(
+      [low] + [i + 1 for i, d in below.items() if d >= depth and i < high]
+    )
     if not ok(high, depth):
       return None
     while low < high:
@@ -123,11 +141,17 @@ def frontier(
         low = middle + 1
     return low
 
+  def shallowest(index: int, bound: int) -> tuple[int, list]:
+    """The solutions of fewest depth at targets[index] (feasible under
+    `bound`): their depth is fewest(targets[index])."""
+    depth, found = solve(targets[index], bound, True)
+    learn(index, depth - 1, depth)
+    return depth, list(found)
+
   index = fastest(0, max_depth)
   if index is None:
     return []
-  depth, found = solve(targets[index], max_depth, True)
-  found = list(found)
+  depth, found = shallowest(index, max_depth)
   deeper = [d for d in DEPTH_GRID if depth < d < max_depth]
   for bound in deeper + ([max_depth] if depth < max_depth else []):
     found += solve(targets[index], bound, False)[1]
@@ -135,7 +159,7 @@ def frontier(
     index = fastest(index, bound)
     if index is None:
       break
-    found += solve(targets[index], bound, True)[1]
+    found += shallowest(index, bound)[1]
   return found
 
 

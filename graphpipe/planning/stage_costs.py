@@ -365,26 +365,35 @@ def estimate_iteration_time(
   free = [count[s] <= stages[s].in_flight for s in range(n)]
   # Per sample: the pace of back-to-back forwards fed by predecessors that
   # also run back to back (warm-up), and the cadence late in the
-  # iteration.
+  # iteration. (Explicit loops rather than max() over lists: the search
+  # estimates thousands of plans.)
   early = [fwd[s] / size[s] for s in range(n)]
   for s in range(n):
-    early[s] = max([early[s]] + [early[a] for a in preds[s]])
+    pace = early[s]
+    for a in preds[s]:
+      if early[a] > pace:
+        pace = early[a]
+    early[s] = pace
   cadence = [(fwd[s] if free[s] else busy[s]) / size[s] for s in range(n)]
   for s in reversed(range(n)):
     if not free[s]:
-      cadence[s] = max([cadence[s]] + [cadence[t] for t in succs[s]])
+      slowest = cadence[s]
+      for t in succs[s]:
+        if cadence[t] > slowest:
+          slowest = cadence[t]
+      cadence[s] = slowest
   first_end = [0.0] * n
   forward_end = [0.0] * n
   for s in range(n):
-    arrival = max(
-      (
-        first_end[a]
-        + (size[s] // size[a] - 1) * early[a] * size[a]
-        + transfer[(a, s)]
-        for a in preds[s]
-      ),
-      default=0.0,
-    )
+    arrival = 0.0
+    last = 0.0  # the last of the predecessors' last forwards here
+    for a in preds[s]:
+      moved = transfer[(a, s)]
+      ready = first_end[a] + (size[s] // size[a] - 1) * early[a] * size[a]
+      ready += moved
+      arrival = ready if ready > arrival else arrival
+      done = forward_end[a] + moved
+      last = done if done > last else last
     first_end[s] = arrival + fwd[s]
     start = (
       arrival
@@ -392,9 +401,7 @@ def estimate_iteration_time(
       + (count[s] - warm[s]) * cadence[s] * size[s]
     )
     # The last forward also waits for every predecessor's last forward.
-    forward_end[s] = fwd[s] + max(
-      [start] + [forward_end[a] + transfer[(a, s)] for a in preds[s]]
-    )
+    forward_end[s] = fwd[s] + (last if preds[s] and last > start else start)
   # Shared parameters held by several stages: their gradients are summed
   # by one all-reduce over every device (`graphpipe.runtime.shared`).
   shared = graph.exchanged_bytes([st.nodes for st in stages])
@@ -423,27 +430,39 @@ def estimate_iteration_time(
     # the first of their gradients is back and end no sooner than the
     # last gradient allows.
     first = (count[s] - warm[s]) * size[s]  # its first owed sample
-    start = max(
-      [forward_end[s]]
-      + [
-        gradient_ready(t, first // size[t]) + transfer[(s, t)] for t in succs[s]
-      ]
-    )
-    backward_end[s] = max(
-      [start + warm[s] * bwd[s]]
-      + [
-        backward_end[t] + pieces[(s, t)][0] * transfer[(s, t)] + bwd[s]
-        for t in succs[s]
-      ]
-    )
-    params = graph.variable_bytes(stages[s].nodes)
+    start = forward_end[s]
+    for t in succs[s]:
+      back = gradient_ready(t, first // size[t]) + transfer[(s, t)]
+      start = back if back > start else start
+    finish = start + warm[s] * bwd[s]
+    for t in succs[s]:
+      back = backward_end[t] + pieces[(s, t)][0] * transfer[(s, t)] + bwd[s]
+      finish = back if back > finish else finish
+    backward_end[s] = finish
     sync = exchange
-    if params > 0:
-      sync += cost_model.optimizer_time(params / updated_share(stages[s]))
-      if len(stages[s].devices) > 1:
-        sync += cost_model.allreduce_time(params, stages[s].devices)
+    update, reduce = _update_times(graph, stages[s], cost_model)
+    if update is not None:
+      sync += update
+      if reduce is not None:
+        sync += reduce
     end = max(end, backward_end[s] + sync)
   return end
+
+
+def _update_times(graph: OpGraph, stage, cost_model) -> tuple:
+  """(optimizer step, gradient all-reduce or None) of a stage, (None,
+  None) without parameters; memoised by a `NodeTimes` model."""
+  key = ("update", stage.nodes, stage.devices, stage.sharding)
+  memo = cost_model._times if isinstance(cost_model, NodeTimes) else {}
+  if key not in memo:
+    params = graph.variable_bytes(stage.nodes)
+    update = reduce = None
+    if params > 0:
+      update = cost_model.optimizer_time(params / updated_share(stage))
+      if len(stage.devices) > 1:
+        reduce = cost_model.allreduce_time(params, stage.devices)
+    memo[key] = (update, reduce)
+  return memo[key]
 
 
 class NodeTimes:
