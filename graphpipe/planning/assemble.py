@@ -78,21 +78,18 @@ def spend_spare_devices(
       )
     return times[i, k]
 
-  def estimate(ks):
-    pairs = [stage_times(i, k) for i, k in enumerate(ks)]
-    busy = [t for t, _ in pairs]
-    path = [0.0] * len(ks)
+  def estimate(busy: list[float], syncs: list[float]) -> float:
+    path = [0.0] * len(busy)
     for s in order:
       before = preds[s]
       path[s] = busy[s] + (max([path[a] for a in before]) if before else 0.0)
-    sync = max([t for _, t in pairs])
     steady = max(
       [
         (costs.batch_size // b - 1) * t
         for b, t in zip(sizes, busy, strict=True)
       ]
     )
-    return steady + max(path) + sync
+    return steady + max(path) + max(syncs)
 
   def twins(ks):
     """Stages that cost the same (e.g. parallel copies of one branch):
@@ -104,7 +101,10 @@ def spend_spare_devices(
       groups.setdefault(key, []).append(i)
     return [g for g in groups.values() if len(g) > 1]
 
-  current = estimate(counts)
+  # The current counts' busy and sync times; a trial changes a group's.
+  busy = [stage_times(i, k)[0] for i, k in enumerate(counts)]
+  syncs = [stage_times(i, k)[1] for i, k in enumerate(counts)]
+  current = estimate(busy, syncs)
   while spare > 0:
     best = None
     moves = [[i] for i in range(len(counts))] + twins(counts)
@@ -121,12 +121,15 @@ def spend_spare_devices(
       if more is None:
         continue
       trial = [more if i in group else c for i, c in enumerate(counts)]
-      time_taken = estimate(trial)
+      trial_busy, trial_syncs = list(busy), list(syncs)
+      for i in group:
+        trial_busy[i], trial_syncs[i] = stage_times(i, more)
+      time_taken = estimate(trial_busy, trial_syncs)
       if time_taken < current and (best is None or time_taken < best[0]):
-        best = (time_taken, trial)
+        best = (time_taken, trial, trial_busy, trial_syncs)
     if best is None:
       break
-    current, trial = best
+    current, trial, busy, syncs = best
     spare -= sum(trial) - sum(counts)
     counts = trial
   stages = tuple(
