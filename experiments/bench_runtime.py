@@ -28,12 +28,10 @@ and shrink the measured ratio (docs/guide/training.md lists a sweep).
 import json
 import os
 import statistics
-import sys
-import time
 
 from absl import app, flags
 
-from experiments import common
+from experiments import common, pinned
 
 if __name__ == "__main__" and "GRAPHPIPE_PROCESS_ID" in os.environ:
   # Pin before JAX starts, so XLA sizes its thread pool to this one core.
@@ -93,56 +91,15 @@ def tower_plans(graph, batch_size, microbatches):
   return plans
 
 
-def collective_latency(mesh, repeats: int = 50) -> float:
-  """Median seconds of one tiny ppermute between the two devices."""
-  import jax
-  import numpy as np
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  swap = jax.jit(
-    jax.shard_map(
-      lambda x: jax.lax.ppermute(x, "pipe", [(0, 1), (1, 0)]),
-      mesh=mesh,
-      in_specs=P("pipe"),
-      out_specs=P("pipe"),
-      check_vma=False,
-    )
-  )
-  host = np.zeros((2, 16), np.float32)
-  x = jax.make_array_from_callback(
-    host.shape, NamedSharding(mesh, P("pipe")), lambda i: host[i]
-  )
-  swap(x).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    swap(x).block_until_ready()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
-
-
 def main(argv):
   common.start(argv)
-  from graphpipe.runtime.launch import initialize_from_env, launch
-
-  if not initialize_from_env():
-    outputs = launch(
-      ["-m", "experiments.bench_runtime", *sys.argv[1:]], 2, 1, timeout=1800
-    )
-    print(outputs[0], end="")
+  if pinned.relaunch("experiments.bench_runtime"):
     return
-  import dataclasses
-
-  import jax
-  import numpy as np
   import optax
-  from jax.sharding import Mesh
+  from flax import nnx
 
   from graphpipe import capture
-  from graphpipe.costs import AnalyticCostModel, ProfiledCostModel, measure_cpu
   from graphpipe.models import two_tower
-  from graphpipe.runtime import Trainer
   from graphpipe.simulator.engine import simulate
 
   options = flags.FLAGS
@@ -152,8 +109,6 @@ def main(argv):
     tower_layers=options.tower_layers,
     num_classes=10,
   )
-  from flax import nnx
-
   model = two_tower.Model(cfg, rngs=nnx.Rngs(0))
   graph = capture(
     two_tower.loss_fn,
@@ -169,45 +124,23 @@ def main(argv):
       strict=True,
     )
   )
-  leader = jax.process_index() == 0
-  say = common.log if leader else (lambda *a, **k: None)
-  say(f"devices: {jax.devices()}, process affinity {os.sched_getaffinity(0)}")
-  trainers, states = {}, {}
+  leader, say = pinned.start()
   batch = two_tower.make_batch(cfg, options.batch_size, seed=0)
-  for name, plan in plans.items():
-    say(str(plan))
-    trainers[name] = Trainer(plan, optax.sgd(1e-3), graph=graph)
-    states[name] = trainers[name].init(model)
-    for _ in range(3):  # compile and warm up
-      states[name], _ = trainers[name].step(states[name], batch)
-  times = {name: [] for name in plans}
-  progress = common.Progress(options.pairs, "pair", every=5, say=say)
-  for _ in range(options.pairs):
-    for name in ("sequential", "graphpipe"):
-      start = time.perf_counter()
-      states[name], metrics = trainers[name].step(states[name], batch)
-      times[name].append(time.perf_counter() - start)
-    progress.step(
-      f"sequential {times['sequential'][-1] * 1e3:.1f} ms, graphpipe "
-      f"{times['graphpipe'][-1] * 1e3:.1f} ms"
-    )
+  graphs = dict.fromkeys(plans, graph)
+  trainers, states = pinned.warm(
+    plans, graphs, optax.sgd(1e-3), model, batch, say
+  )
+  order = ("sequential", "graphpipe")
+  times = pinned.timed_pairs(trainers, states, batch, options.pairs, order, say)
   ratios = [
     s / g for s, g in zip(times["sequential"], times["graphpipe"], strict=True)
   ]
-  mesh = Mesh(np.asarray(jax.devices()[:2]), ("pipe",))
-  latency = collective_latency(mesh)
+  latency = pinned.link_latency()
   if not leader:
     return
   micro = options.batch_size // options.microbatches
-  spec = dataclasses.replace(
-    measure_cpu(), intra_node_latency=latency, inter_node_latency=latency
-  )
-  costs = ProfiledCostModel(
-    graph,
-    AnalyticCostModel(spec),
-    batch_sizes=(micro // 2, micro, 2 * micro),
-    cache_dir=None,
-  )
+  spec = pinned.cpu_spec(latency)
+  costs = pinned.cost_model(graph, spec, (micro // 2, micro, 2 * micro))
   predicted = {}
   for name, plan in plans.items():
     predicted[name] = {
@@ -231,7 +164,7 @@ def main(argv):
     / predicted["graphpipe"]["lockstep"],
     "predicted_ratio_async": predicted["sequential"]["async"]
     / predicted["graphpipe"]["async"],
-    "measured_step_time_s": {n: statistics.median(t) for n, t in times.items()},
+    "measured_step_time_s": pinned.medians(times),
     "predicted_step_time_s": {n: p["lockstep"] for n, p in predicted.items()},
     "predicted_step_time_async_s": {
       n: p["async"] for n, p in predicted.items()

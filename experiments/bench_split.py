@@ -26,12 +26,10 @@ micro-batches of 128.
 import json
 import os
 import statistics
-import sys
-import time
 
 from absl import app, flags
 
-from experiments import common
+from experiments import common, pinned
 
 if __name__ == "__main__" and "GRAPHPIPE_PROCESS_ID" in os.environ:
   # Pin before JAX starts, so XLA sizes its thread pool to this one core.
@@ -80,27 +78,15 @@ def two_stage_plan(graph, name, first, batch_size, microbatches):
 
 def main(argv):
   common.start(argv)
-  from graphpipe.runtime.launch import initialize_from_env, launch
-
-  if not initialize_from_env():
-    outputs = launch(
-      ["-m", "experiments.bench_split", *sys.argv[1:]], 2, 1, timeout=1800
-    )
-    print(outputs[0], end="")
+  if pinned.relaunch("experiments.bench_split"):
     return
-  import dataclasses
-
   import jax
   import jax.numpy as jnp
   import numpy as np
   import optax
   from flax import nnx
-  from jax.sharding import Mesh
 
-  from experiments.bench_runtime import collective_latency
   from graphpipe import capture
-  from graphpipe.costs import AnalyticCostModel, ProfiledCostModel, measure_cpu
-  from graphpipe.runtime import Trainer
   from graphpipe.simulator.engine import simulate
 
   options = flags.FLAGS
@@ -152,16 +138,10 @@ def main(argv):
       options.microbatches,
     ),
   }
-  leader = jax.process_index() == 0
-  say = common.log if leader else (lambda *a, **k: None)
-  say(f"devices: {jax.devices()}, process affinity {os.sched_getaffinity(0)}")
-  trainers, states = {}, {}
-  for name in PLANS:
-    say(str(plans[name]))
-    trainers[name] = Trainer(plans[name], optax.sgd(1e-3), graph=graphs[name])
-    states[name] = trainers[name].init(model)
-    for _ in range(3):  # compile and warm up
-      states[name], _ = trainers[name].step(states[name], batch)
+  leader, say = pinned.start()
+  trainers, states = pinned.warm(
+    plans, graphs, optax.sgd(1e-3), model, batch, say
+  )
   # Both plans train the same model: the split one within float error.
   same = float(
     jnp.max(
@@ -171,40 +151,26 @@ def main(argv):
       )
     )
   )
-  times = {name: [] for name in PLANS}
-  progress = common.Progress(options.pairs, "pair", every=5, say=say)
-  for _ in range(options.pairs):
-    for name in PLANS:
-      start = time.perf_counter()
-      states[name], _ = trainers[name].step(states[name], batch)
-      times[name].append(time.perf_counter() - start)
-    progress.step(
-      f"whole {times['whole'][-1] * 1e3:.1f} ms, split "
-      f"{times['split'][-1] * 1e3:.1f} ms"
-    )
+  times = pinned.timed_pairs(trainers, states, batch, options.pairs, PLANS, say)
   ratios = [w / s for w, s in zip(times["whole"], times["split"], strict=True)]
-  mesh = Mesh(np.asarray(jax.devices()[:2]), ("pipe",))
-  latency = collective_latency(mesh)
+  latency = pinned.link_latency()
   if not leader:
     return
   micro = options.batch_size // options.microbatches
-  spec = dataclasses.replace(
-    measure_cpu(), intra_node_latency=latency, inter_node_latency=latency
-  )
+  spec = pinned.cpu_spec(latency)
   predicted = {}
   for name in PLANS:
-    costs = ProfiledCostModel(
+    costs = pinned.cost_model(
       graphs[name],
-      AnalyticCostModel(spec),
-      batch_sizes=(micro // 2, micro, 2 * micro),
-      cache_dir=None,
+      spec,
+      (micro // 2, micro, 2 * micro),
       # (The fastest of 3 calls varied the prediction by 20% run to run.)
       repeats=10,
     )
     predicted[name] = simulate(
       plans[name], graphs[name], costs, lockstep=True
     ).iteration_time_s
-  measured = {n: statistics.median(t) for n, t in times.items()}
+  measured = pinned.medians(times)
   results = {
     "config": {
       "in_features": options.in_features,

@@ -20,12 +20,10 @@ from the measured one (a share of the measured).
 import json
 import os
 import statistics
-import sys
-import time
 
 from absl import app, flags
 
-from experiments import common
+from experiments import common, pinned
 
 if __name__ == "__main__" and "GRAPHPIPE_PROCESS_ID" in os.environ:
   # Pin before JAX starts, so XLA sizes its thread pool to this one core.
@@ -74,27 +72,13 @@ def stage_plans(graph, batch_size, microbatches):
 
 def main(argv):
   common.start(argv)
-  from graphpipe.runtime.launch import initialize_from_env, launch
-
-  if not initialize_from_env():
-    outputs = launch(
-      ["-m", "experiments.bench_zero", *sys.argv[1:]], 2, 1, timeout=1800
-    )
-    print(outputs[0], end="")
+  if pinned.relaunch("experiments.bench_zero"):
     return
-  import dataclasses
-
-  import jax
-  import numpy as np
   import optax
   from flax import nnx
-  from jax.sharding import Mesh
 
-  from experiments.bench_runtime import collective_latency
   from graphpipe import capture
-  from graphpipe.costs import AnalyticCostModel, ProfiledCostModel, measure_cpu
   from graphpipe.models import two_tower
-  from graphpipe.runtime import Trainer
   from graphpipe.simulator.engine import simulate
 
   options = flags.FLAGS
@@ -120,50 +104,26 @@ def main(argv):
       strict=True,
     )
   )
-  leader = jax.process_index() == 0
-  say = common.log if leader else (lambda *a, **k: None)
-  say(f"devices: {jax.devices()}, process affinity {os.sched_getaffinity(0)}")
-  trainers, states = {}, {}
+  leader, say = pinned.start()
   batch = two_tower.make_batch(cfg, options.batch_size, seed=0)
-  for name, plan in plans.items():
-    say(str(plan))
-    trainers[name] = Trainer(plan, optax.adam(1e-4), graph=graph)
-    states[name] = trainers[name].init(model)
-    for _ in range(3):  # compile and warm up
-      states[name], _ = trainers[name].step(states[name], batch)
-  times = {name: [] for name in names}
-  progress = common.Progress(options.pairs, "pair", every=5, say=say)
-  for _ in range(options.pairs):
-    for name in names:
-      start = time.perf_counter()
-      states[name], _ = trainers[name].step(states[name], batch)
-      times[name].append(time.perf_counter() - start)
-    progress.step(
-      f"replicated {times['replicated'][-1] * 1e3:.1f} ms, ZeRO-1 "
-      f"{times['zero1'][-1] * 1e3:.1f} ms"
-    )
+  trainers, states = pinned.warm(
+    plans, dict.fromkeys(names, graph), optax.adam(1e-4), model, batch, say
+  )
+  times = pinned.timed_pairs(trainers, states, batch, options.pairs, names, say)
   ratios = [
     r / z for r, z in zip(times["replicated"], times["zero1"], strict=True)
   ]
-  mesh = Mesh(np.asarray(jax.devices()[:2]), ("pipe",))
-  latency = collective_latency(mesh)
+  latency = pinned.link_latency()
   if not leader:
     return
   micro = options.batch_size // options.microbatches
-  spec = dataclasses.replace(
-    measure_cpu(), intra_node_latency=latency, inter_node_latency=latency
-  )
-  costs = ProfiledCostModel(
-    graph,
-    AnalyticCostModel(spec),
-    batch_sizes=(micro // 4, micro // 2, micro),
-    cache_dir=None,
-  )
+  spec = pinned.cpu_spec(latency)
+  costs = pinned.cost_model(graph, spec, (micro // 4, micro // 2, micro))
   predicted = {
     name: simulate(plan, graph, costs, lockstep=True).iteration_time_s
     for name, plan in plans.items()
   }
-  measured = {n: statistics.median(t) for n, t in times.items()}
+  measured = pinned.medians(times)
   results = {
     "config": {
       "model": "two_tower",
