@@ -310,47 +310,61 @@ def place_devices(
     cost_model: prices the all-reduces.
     num_devices: devices available, 0..num_devices - 1.
     block_times: a memo of the block starts ranked by their all-reduce
-      time, for this cost model and device count (a search places
-      thousands of partitions).
+      time and of the placements made from them, for this cost model and
+      device count (a search places thousands of partitions).
   """
   if block_times is None:
     block_times = {}
 
-  def ranked_starts(params: int, k: int) -> list[int]:
-    """Every block start, fastest all-reduce first (ties: lowest)."""
+  def ranked_starts(params: int, k: int) -> tuple[int, ...]:
+    """Every block start, fastest all-reduce first (ties: lowest); equal
+    rankings are one object (placements are memoised by them)."""
     key = ("ranked", params, k)
     if key not in block_times:
-      block_times[key] = sorted(
-        range(num_devices - k + 1),
-        key=lambda s: (
-          cost_model.allreduce_time(params, range(s, s + k)),
-          s,
-        ),
+      ranked = tuple(
+        sorted(
+          range(num_devices - k + 1),
+          key=lambda s: (
+            cost_model.allreduce_time(params, range(s, s + k)),
+            s,
+          ),
+        )
       )
+      block_times[key] = block_times.setdefault(("ranking", ranked), ranked)
     return block_times[key]
 
+  # What the placement below reads of the partition: each stage's device
+  # count and, on several devices, its ranking of block starts.
+  rankings = [
+    ranked_starts(graph.variable_bytes(nodes), k) if k > 1 else None
+    for nodes, k in part.stages
+  ]
+  key = (
+    "placed",
+    tuple((k, id(r)) for (_, k), r in zip(part.stages, rankings, strict=True)),
+  )
+  if key in block_times:
+    return list(block_times[key])
   free = [True] * num_devices
   devices: list[tuple[int, ...]] = [()] * len(part.stages)
   by_size = sorted(range(len(part.stages)), key=lambda i: -part.stages[i][1])
   for i in by_size:
-    nodes, k = part.stages[i]
+    k = part.stages[i][1]
     if k == 1:  # the first free device (none left: no device)
       first = next((d for d in range(num_devices) if free[d]), None)
       devices[i] = () if first is None else (first,)
       if first is not None:
         free[first] = False
       continue
-    params = graph.variable_bytes(nodes)
     # The fastest start of k free devices in a row.
-    start = next(
-      (s for s in ranked_starts(params, k) if all(free[s : s + k])), None
-    )
+    start = next((s for s in rankings[i] if all(free[s : s + k])), None)
     if start is None:  # fragmented by sizes that are not powers of two
       devices[i] = tuple([d for d in range(num_devices) if free[d]][:k])
     else:
       devices[i] = tuple(range(start, start + k))
     for d in devices[i]:
       free[d] = False
+  block_times[key] = tuple(devices)
   return devices
 
 

@@ -77,6 +77,18 @@ class _Reach:
       for u in bits(self.pred[v]):
         mask |= self.anc[u]
       self.anc[v] = mask
+    self._left: dict[int, int] = {}
+
+  def _leaving(self, mask: int) -> int:
+    """The nodes outside `mask` that its nodes feed (memoised: the walk
+    asks about the same stages again and again)."""
+    found = self._left.get(mask)
+    if found is None:
+      below = 0
+      for v in bits(mask):
+        below |= self.succ[v]
+      found = self._left[mask] = below & ~mask
+    return found
 
   def convex(self, mask: int) -> bool:
     """No path leaves the set and comes back."""
@@ -88,31 +100,24 @@ class _Reach:
 
   def acyclic(self, masks: list[int]) -> bool:
     """Whether the stage graph of these (convex) stages has no cycle."""
-    reach = []
-    for mask in masks:
-      below = 0
-      for v in bits(mask):
-        below |= self.succ[v]
-      reach.append(below & ~mask)
-    edges = {
-      (a, b)
+    reach = [self._leaving(mask) for mask in masks]
+    succs = [
+      [b for b, mask in enumerate(masks) if a != b and below & mask]
       for a, below in enumerate(reach)
-      for b, mask in enumerate(masks)
-      if a != b and below & mask
-    }
+    ]
     indegree = [0] * len(masks)
-    for _, b in edges:
-      indegree[b] += 1
+    for targets in succs:
+      for b in targets:
+        indegree[b] += 1
     ready = [s for s, d in enumerate(indegree) if d == 0]
     seen = 0
     while ready:
       a = ready.pop()
       seen += 1
-      for x, b in edges:
-        if x == a:
-          indegree[b] -= 1
-          if indegree[b] == 0:
-            ready.append(b)
+      for b in succs[a]:
+        indegree[b] -= 1
+        if indegree[b] == 0:
+          ready.append(b)
     return seen == len(masks)
 
 

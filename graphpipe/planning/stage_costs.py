@@ -309,12 +309,11 @@ def estimate_iteration_time(
   count = [p.batch_size // b for b in size]
   share = [StageCosts.share(s.micro_batch_size, len(s.devices)) for s in stages]
   if isinstance(cost_model, NodeTimes):
-    fwd = [
-      cost_model.stage_time(graph, s.nodes, share[s.id], "fwd") for s in stages
+    times = [
+      cost_model.stage_times(graph, s.nodes, share[s.id]) for s in stages
     ]
-    bwd = [
-      cost_model.stage_time(graph, s.nodes, share[s.id], "bwd") for s in stages
-    ]
+    fwd = [f for f, _ in times]
+    bwd = [b for _, b in times]
   else:
     fwd = [
       sum(
@@ -479,13 +478,14 @@ class NodeTimes:
       self._times[key] = self.model.node_time(node, batch, kind)
     return self._times[key]
 
-  def stage_time(self, graph, nodes: tuple[int, ...], batch, kind) -> float:
-    """The sum of `nodes`' node times, memoised (the same stages recur
-    across the plans of a search)."""
-    key = (nodes, batch, kind)
+  def stage_times(self, graph, nodes: tuple[int, ...], batch) -> tuple:
+    """(forward, backward): the sums of `nodes`' node times, memoised (the
+    same stages recur across the plans of a search)."""
+    key = (nodes, batch)
     if key not in self._times:
-      self._times[key] = sum(
-        self.node_time(graph.nodes[i], batch, kind) for i in nodes
+      self._times[key] = tuple(
+        sum(self.node_time(graph.nodes[i], batch, kind) for i in nodes)
+        for kind in ("fwd", "bwd")
       )
     return self._times[key]
 
