@@ -19,8 +19,8 @@ sample (compute, transfers and gradient all-reduce, as `StageCosts`
 counts them) at most t. The decision form lets the memory rule see each
 stage's 1F1B in-flight count, p - i + 1 for stage i of p, so the DP state
 also carries the number of stages after the prefix (the table is computed
-with numpy, one row per prefix end). As for GraphPipe, the partitioner
-offers the fewest stages at the best t, more stages at the same t,
+with numpy, a column per number of stages after). As for GraphPipe, the
+partitioner offers the fewest stages at the best t, more stages at the same t,
 shallower plans under smaller stage-count bounds, each with stages filled
 from the front and from the back, under both stage metrics
 (`graphpipe.planning.candidates.frontier`); `plan` spends spare devices and
@@ -346,7 +346,9 @@ class _ChainSolver:
     need[first, last, s - 1] + cover[last + 1, s - 1]. The class
     docstring's table answers one bound at a time; this answers every
     bound at once (`feasible`), computing need one column at a time and
-    stopping at the first s that fits.
+    stopping at the first s that fits, or at s = `_BOUND_AFTER` when even
+    the least devices each range needs (its need at s = 1) cannot cover
+    the chain on the devices (no s can then).
     """
     if target not in self._fewest:
       ranges = self.ranges

@@ -628,3 +628,34 @@ def test_a_trimmed_parallel_cover_splits_at_the_cut_branch(memory_bytes):
             values.append(got)
   assert len(values) > 500 and any(v < dp_solver._INF for v in values)
   assert any(v >= dp_solver._INF for v in values)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_search_pauses_the_cyclic_gc_and_restores_it(enabled, monkeypatch):
+  # The search runs with Python's cyclic collector paused (its full scans
+  # of a large heap cost a fifth of a search) and leaves it as it found
+  # it, also when the search fails.
+  import gc
+
+  graph = candle_like(2)
+  seen = []
+  partitioner = engine._partitioner
+
+  def watched(*args):
+    seen.append(gc.isenabled())
+    return partitioner(*args)
+
+  monkeypatch.setattr(engine, "_partitioner", watched)
+  was = gc.isenabled()
+  try:
+    if not enabled:
+      gc.disable()
+    plan(graph, 4, 16)
+    assert gc.isenabled() == enabled
+    with pytest.raises(PlanError):
+      plan(graph, 4, 16, memory_bytes=1.0)
+    assert gc.isenabled() == enabled
+  finally:
+    if was:
+      gc.enable()
+  assert seen and not any(seen)
