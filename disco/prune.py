@@ -356,7 +356,8 @@ class GradualSchedule:
       gates need the scores `train.fit` measures (`apply`'s `saliency` or
       `gates`).
     gate_penalty: with selection "gates", the weight of the expected
-      fraction of open gates in the loss (`HardConcreteGates`).
+      fraction of open gates in the loss (with budget "bytes", of their
+      bytes: `HardConcreteGates.open_fraction`).
     gate_learning_rate: with selection "gates", Adam's learning rate of
       the gates' log_alpha.
     seed: seed of the random scores.
@@ -503,8 +504,9 @@ class HardConcreteGates:
   gate (the bits that are not groups by 1), the same columns
   `gate_gradients` differentiates by; `open_fraction` is the expected
   fraction of kept groups whose gate is not 0, over all the model's
-  groups, which training adds to the loss times `GradualSchedule`'s
-  `gate_penalty`. All traceable, except `fold`.
+  groups (with the bytes budget, of their bytes), which training adds to
+  the loss times `GradualSchedule`'s `gate_penalty`. All traceable,
+  except `fold`.
 
   Example:
     >>> from flax import nnx
@@ -564,16 +566,28 @@ class HardConcreteGates:
     return jax.nn.sigmoid(shifted)
 
   @classmethod
-  def open_fraction(cls, model: nnx.Module, log_alphas) -> jax.Array:
+  def open_fraction(
+    cls, model: nnx.Module, log_alphas, group_bytes=None
+  ) -> jax.Array:
     """Expected number of open gates among the kept groups of `model`,
-    over all its groups (traceable: the masks may be traced)."""
+    over all its groups (traceable: the masks may be traced); with
+    `group_bytes` (one array per mask group, `disco.metrics.group_bytes`)
+    the expected open bytes over all the groups' bytes instead, the
+    quantity the bytes budget limits: a gate on a large tensor then costs
+    as much more as it sends."""
     groups = mask_groups(model)
-    total = sum(int(g.cross.sum()) for g in groups)
+    if group_bytes is None:
+      group_bytes = [np.ones(np.shape(g.cross), np.float32) for g in groups]
+    weights = [
+      jnp.where(g.cross, jnp.asarray(b, jnp.float32), 0.0)
+      for g, b in zip(groups, group_bytes, strict=True)
+    ]
+    total = sum(jnp.sum(w) for w in weights)
     opened = sum(
-      jnp.sum(cls.open_probability(a) * (g.mask[...] & g.cross))
-      for g, a in zip(groups, log_alphas, strict=True)
+      jnp.sum(cls.open_probability(a) * (g.mask[...] & g.cross) * w)
+      for g, a, w in zip(groups, log_alphas, weights, strict=True)
     )
-    return opened / max(total, 1)
+    return opened / jnp.maximum(total, 1.0)
 
   @staticmethod
   def gated(model: nnx.Module, gates) -> None:

@@ -188,6 +188,7 @@ def fit(
           step,
           schedule.gate_penalty,
           schedule.gate_learning_rate,
+          group_bytes,
         )
       index = order[batch * config.batch_size : (batch + 1) * config.batch_size]
       params, rest, opt_state, loss, average, gated = _train_step(
@@ -331,7 +332,8 @@ def _train_step(
   average moved by this batch's squared gate derivatives of the task loss
   (`prune.SaliencyMeter`); None otherwise. With `gating` (log_alphas,
   their Adam state, the run's gate key, the step, which is folded into
-  the key here, the penalty weight, their learning rate), the
+  the key here, the penalty weight, their learning rate, the groups'
+  bytes or None: the penalty counts bytes with the bytes budget), the
   forward pass runs with sampled hard-concrete gates on the groups and
   the gates take an Adam step too: (log_alphas, state) is returned, None
   otherwise."""
@@ -347,7 +349,9 @@ def _train_step(
     penalty = group_lasso * penalty_of(params)
     if log_alphas is not None:
       gates = prune.HardConcreteGates
-      penalty = penalty + gating[4] * gates.open_fraction(model, log_alphas)
+      penalty = penalty + gating[4] * gates.open_fraction(
+        model, log_alphas, gating[6]
+      )
       key = jax.random.fold_in(gating[2], gating[3])
       gates.gated(model, gates.sample(log_alphas, key))
     loss = loss_of(model(images), labels)

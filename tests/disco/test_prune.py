@@ -453,3 +453,41 @@ def test_gates_selection_keeps_the_largest_log_alpha_and_needs_them():
     prune.to_ratio(TwoLayers(), 0.5, selection="saliency", gates=log_alphas)
   with pytest.raises(PruneError, match="gate_learning_rate"):
     prune.GradualSchedule(0.5, steps=4, selection="gates", gate_learning_rate=0)
+
+
+def test_gate_penalty_counts_bytes_with_the_bytes_budget():
+  # Unweighted, the penalty is the expected fraction of open groups; with
+  # the groups' bytes it is the expected fraction of their bytes, so a gate
+  # on a tensor of 4x the positions costs 4x as much.
+  model = TwoLayers()
+  groups = prune.mask_groups(model)
+  log_alphas = [jnp.full(g.cross.shape, 40.0) for g in groups]  # all open
+  costs = [
+    np.where(g.cross, 1.0 + 3.0 * (i == 0), 0.0) for i, g in enumerate(groups)
+  ]
+  gates = prune.HardConcreteGates
+  assert float(gates.open_fraction(model, log_alphas)) == pytest.approx(1.0)
+  assert float(gates.open_fraction(model, log_alphas, costs)) == pytest.approx(
+    1.0
+  )
+  # the first mask's gates closed: its share of the groups, of the bytes
+  first = [jnp.full_like(log_alphas[0], -40.0), *log_alphas[1:]]
+  counts = [int(g.cross.sum()) for g in groups]
+  weights = [4 * counts[0], *counts[1:]]
+  assert float(gates.open_fraction(model, first)) == pytest.approx(
+    1 - counts[0] / sum(counts), abs=1e-6
+  )
+  assert float(gates.open_fraction(model, first, costs)) == pytest.approx(
+    1 - weights[0] / sum(weights), abs=1e-6
+  )
+  # the gradient at equal log_alpha: a gate of 4x the bytes, 4x the push
+  at_zero = [jnp.zeros(g.cross.shape) for g in groups]
+  grads = jax.grad(lambda a: gates.open_fraction(model, a, costs))(at_zero)
+  first_group = float(grads[0][groups[0].cross][0])
+  other_group = float(grads[1][groups[1].cross][0])
+  assert first_group == pytest.approx(4 * other_group)
+  # traced bytes (as train.fit passes them into its jitted step)
+  step = jax.jit(lambda a, c: gates.open_fraction(model, a, c))
+  assert float(step(first, costs)) == pytest.approx(
+    1 - weights[0] / sum(weights), abs=1e-6
+  )
