@@ -3,7 +3,8 @@
   python -m experiments.disco_latency --out=DIR [--rates=100,1000,10000]
 
 Two processes, one per node, each pinned to its own core with one CPU
-device, run `disco.distributed` programs and talk over the loopback of a
+device (with --nodes=4, four processes, two to each of the machine's two
+cores), run `disco.distributed` programs and talk over the loopback of a
 private network namespace whose bandwidth is limited by a token bucket:
 
   unshare --net sh -c 'ip link set lo mtu 1500 && ip link set lo up &&
@@ -98,12 +99,20 @@ def define_flags() -> None:
     "Model: seconds per collective call (default: fitted on the link).",
     lower_bound=0,
   )
+  flags.DEFINE_enum(
+    "nodes",
+    "2",
+    ["2", "4"],
+    "Node processes (one device each). 4 share the machine's 2 cores two "
+    "to a core: see the page for what that measures.",
+  )
   flags.DEFINE_enum("role", "main", ["main", "link", "node"], "Internal.")
   common.define_flags()
 
 
-def build(name: str, keep: bool | None, ratio: float):
-  """The model `name` at `ratio` (DISCO), or all masks `keep` (dense).
+def build(name: str, keep: bool | None, ratio: float, nodes: int = 2):
+  """The model `name` over `nodes` at `ratio` (DISCO), or all masks `keep`
+  (dense).
 
   Example:
     >>> build("srnet", None, 0.2).config.scale
@@ -115,9 +124,9 @@ def build(name: str, keep: bool | None, ratio: float):
   from disco.models import ResNet, ResNetConfig, SRConfig, SRNet
 
   if name == "resnet":
-    model = ResNet(ResNetConfig(num_nodes=2), rngs=nnx.Rngs(0))
+    model = ResNet(ResNetConfig(num_nodes=nodes), rngs=nnx.Rngs(0))
   else:
-    config = SRConfig(width=16, growth=8, image_size=16)
+    config = SRConfig(width=16, growth=8, image_size=16, num_nodes=nodes)
     model = SRNet(config, rngs=nnx.Rngs(0))
   prune.to_ratio(model, ratio, selection="magnitude")
   model.eval()
@@ -142,19 +151,21 @@ def _node(settings: dict) -> None:
 
   jnp.zeros(1).block_until_ready()  # the client and its pools exist
   common.release_threads()
-  mesh = distributed.node_mesh(2)
+  nodes = settings["nodes"]
+  mesh = distributed.node_mesh(nodes)
   link = _time_link(mesh, settings["repeats"])
+  chain = _time_chain(mesh, settings["repeats"])
   rows = []
   for name in settings["models"]:
     for batch in timed_batches(settings["batch"]):
       row = {"model": name, "batch": batch}
       for variant, keep in (("dense", True), ("disco", None)):
-        model = build(name, keep, settings["comm_ratio"])
+        model = build(name, keep, settings["comm_ratio"], nodes)
         run = distributed.distribute(model, mesh)
         images = np.random.default_rng(0).random(
           (batch, *run.image_shape), np.float32
         )
-        row[f"{variant}_ms"] = _median_ms(
+        row[f"{variant}_ms"], row[f"{variant}_p10_ms"] = _median_ms(
           run.apply, run.place(images), settings["repeats"]
         )
         row[f"{variant}_bytes"] = run.bytes_per_inference(batch) * batch
@@ -164,26 +175,37 @@ def _node(settings: dict) -> None:
 
     device = jax.local_devices()[0]
     for row in rows:
-      model = build(row["model"], True, settings["comm_ratio"])
+      model = build(row["model"], True, settings["comm_ratio"], nodes)
       graphdef, state = nnx.split(model)
       state = jax.device_put(state, device)
       forward = jax.jit(lambda s, x, g=graphdef: nnx.merge(g, s)(x))
       shape = model.config.image_size, model.config.image_size
       images = np.zeros((row["batch"], *shape, model.config.in_channels))
       placed = jax.device_put(images.astype(np.float32), device)
-      row["one_device_ms"] = _median_ms(
+      row["one_device_ms"], row["one_device_p10_ms"] = _median_ms(
         lambda x, f=forward, s=state: f(s, x), placed, settings["repeats"]
       )
-    print(RESULT + json.dumps({"rows": rows, "link": link}), flush=True)
+    print(
+      RESULT + json.dumps({"rows": rows, "link": link, "chain": chain}),
+      flush=True,
+    )
 
 
 LINK_SIZES = (64, 1024, 4096, 16384, 65536, 262144)
 BURST_BYTES = 64 * 1024  # the token bucket's burst (namespace_command)
 
 
+def _ring(mesh) -> list[tuple[int, int]]:
+  """Each node sends to the next (2 nodes: to each other)."""
+  from disco.exchange import AXIS
+
+  n = mesh.shape[AXIS]
+  return [(i, (i + 1) % n) for i in range(n)]
+
+
 def _time_link(mesh, repeats: int) -> list[list[float]]:
-  """[bytes both nodes send, median seconds, 10th-percentile seconds] of
-  one ppermute call in which each node sends the other `size` bytes, for
+  """[bytes all nodes send, median seconds, 10th-percentile seconds] of
+  one ppermute call in which each node sends the next `size` bytes, for
   each of LINK_SIZES."""
   import jax
   from jax import lax
@@ -194,14 +216,15 @@ def _time_link(mesh, repeats: int) -> list[list[float]]:
 
   swap = jax.jit(
     jax.shard_map(
-      lambda x: lax.ppermute(x, AXIS, [(0, 1), (1, 0)]),
+      lambda x: lax.ppermute(x, AXIS, _ring(mesh)),
       mesh=mesh,
       in_specs=P(AXIS),
       out_specs=P(AXIS),
     )
   )
+  nodes = mesh.shape[AXIS]
   warm = jax.make_array_from_callback(
-    (2,), NamedSharding(mesh, P(AXIS)), lambda _: np.ones(1, np.float32)
+    (nodes,), NamedSharding(mesh, P(AXIS)), lambda _: np.ones(1, np.float32)
   )
   for _ in range(200):  # the first calls of a run take ms
     swap(warm).block_until_ready()
@@ -209,13 +232,71 @@ def _time_link(mesh, repeats: int) -> list[list[float]]:
   for size in LINK_SIZES:
     n = size // 4
     x = jax.make_array_from_callback(
-      (2 * n,),
+      (nodes * n,),
       NamedSharding(mesh, P(AXIS)),
       lambda _, n=n: np.ones(n, np.float32),
     )
     seconds = _times(swap, x, max(repeats, 20))
-    points.append([2 * size, *np.percentile(seconds, [50, 10]).tolist()])
+    points.append([nodes * size, *np.percentile(seconds, [50, 10]).tolist()])
   return points
+
+
+CHAIN_CALLS = (1, 2, 4, 8, 16)
+
+
+def _time_chain(mesh, repeats: int) -> list[list[float]]:
+  """[calls, median seconds] of one program of that many ppermute calls
+  of 64 B each, one after another (each sends what the last received,
+  plus one), for each of CHAIN_CALLS: a model's program makes its calls
+  in such a chain, each waiting for both nodes."""
+  import jax
+  from jax import lax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from disco.exchange import AXIS
+
+  def chain(calls):
+    def body(x):
+      for _ in range(calls):
+        x = lax.ppermute(x, AXIS, _ring(mesh)) + 1.0
+      return x
+
+    return jax.jit(
+      jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    )
+
+  x = jax.make_array_from_callback(
+    (16 * mesh.shape[AXIS],),
+    NamedSharding(mesh, P(AXIS)),
+    lambda _: np.ones(16, np.float32),
+  )
+  points = []
+  for calls in CHAIN_CALLS:
+    program = chain(calls)
+    for _ in range(50):
+      program(x).block_until_ready()
+    seconds = _times(program, x, max(repeats, 20))
+    points.append([calls, float(np.median(seconds))])
+  return points
+
+
+def fit_chain(points) -> dict:
+  """The cost of one more call inside a program, from `_time_chain`'s
+  [calls, seconds]: (seconds of the longest chain - seconds of the
+  shortest) / the calls between them. `fit_link`'s call cost is that of
+  a program of one call; the models' programs make theirs in a chain.
+
+  Example:
+    >>> fit = fit_chain([[1, 3e-4], [4, 6e-4], [16, 1.8e-3]])
+    >>> round(fit["chain_call"], 6)
+    0.0001
+  """
+  points = sorted((float(c), float(t)) for c, t in points)
+  (first, quick), (last, slow) = points[0], points[-1]
+  if last <= first:
+    raise ValueError(f"the chain fit needs two call counts: {points}")
+  return {"chain_call": (slow - quick) / (last - first)}
 
 
 def fit_link(points) -> dict:
@@ -263,8 +344,10 @@ def fit_link(points) -> dict:
   return {"message_latency": call, "bytes_per_second": 1 / per_byte}
 
 
-def _median_ms(call, placed, repeats: int) -> float:
-  return 1e3 * float(np.median(_times(call, placed, repeats)))
+def _median_ms(call, placed, repeats: int) -> tuple[float, float]:
+  """(median, 10th percentile) milliseconds of `repeats` calls."""
+  seconds = _times(call, placed, repeats)
+  return tuple(1e3 * float(v) for v in np.percentile(seconds, [50, 10]))
 
 
 def _times(call, placed, repeats: int) -> list[float]:
@@ -289,7 +372,7 @@ def _link(settings: dict) -> None:
     "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
     "DISCO_LATENCY_SETTINGS": json.dumps(settings),
   }
-  outputs = launch(argv, 2, 1, env=env, timeout=1800)
+  outputs = launch(argv, settings["nodes"], 1, env=env, timeout=1800)
   for line in outputs[0].splitlines():
     if line.startswith(RESULT):
       print(line, flush=True)
@@ -309,6 +392,24 @@ def namespace_command(rate_mbit: float, command: str) -> list[str]:
     "latency 50ms"
   )
   return ["unshare", "--net", "sh", "-c", f"{setup} && {command}"]
+
+
+def splits_refused(settings: dict) -> str | None:
+  """None when every model of `settings` splits over its nodes, else why
+  not (the node processes would fail after the link was timed).
+
+  Example:
+    >>> splits_refused({"models": ["srnet"], "nodes": 4, "comm_ratio": 0.2})
+    'srnet over 4 nodes: ...'
+  """
+  from disco.errors import DiscoError
+
+  for name in settings["models"]:
+    try:
+      build(name, None, settings["comm_ratio"], settings["nodes"])
+    except DiscoError as error:
+      return f"{name} over {settings['nodes']} nodes: {error}"
+  return None
 
 
 def check_link_permitted() -> str | None:
@@ -337,12 +438,15 @@ def predict(row: dict, link: dict, settings: dict) -> dict:
   Args:
     row: a timed row (model, batch, one_device_ms).
     link: `fit_link`'s figures for the link.
-    settings: comm_ratio; message_latency (None: the fitted one).
+    settings: comm_ratio; message_latency (None: the fitted one); nodes
+      (default 2).
   """
   from disco import metrics
 
   def report(keep):
-    model = build(row["model"], keep, settings["comm_ratio"])
+    model = build(
+      row["model"], keep, settings["comm_ratio"], settings.get("nodes", 2)
+    )
     config = model.config
     size = config.image_size
     shape = (row["batch"], size, size, config.in_channels)
@@ -377,11 +481,15 @@ def main(argv):
     "repeats": f.repeats,
     "comm_ratio": f.comm_ratio,
     "message_latency": f.message_latency,
+    "nodes": int(f.nodes),
   }
   if f.role == "link":
     return _link(settings)
   if not f.out:
     raise app.UsageError("--out is required")
+  why = splits_refused(settings)
+  if why is not None:
+    sys.exit(f"disco_latency: error: {why}")
   why = check_link_permitted()
   if why is not None:
     sys.exit(
@@ -397,7 +505,7 @@ def main(argv):
     command = (
       f"{sys.executable} -m experiments.disco_latency --role=link "
       f"--models={f.models} --batch={f.batch} --repeats={f.repeats} "
-      f"--comm_ratio={f.comm_ratio}"
+      f"--comm_ratio={f.comm_ratio} --nodes={f.nodes}"
     )
     done = subprocess.run(
       namespace_command(rate, command),
@@ -414,18 +522,29 @@ def main(argv):
       )
     result = json.loads(lines[-1][len(RESULT) :])
     fit = fit_link(result["link"])
-    fitted.append({"rate_mbit": rate, **fit, "timed": result["link"]})
+    chained = fit_chain(result["chain"])
+    fitted.append(
+      {
+        "rate_mbit": rate,
+        **fit,
+        **chained,
+        "timed": result["link"],
+        "chain_timed": result["chain"],
+      }
+    )
     common.log(
       f"{rate:g} Mbit/s link: {1e3 * fit['message_latency']:.3f} ms per "
-      f"call, {8 * fit['bytes_per_second'] / 1e6:.0f} Mbit/s fitted"
+      f"call, {8 * fit['bytes_per_second'] / 1e6:.0f} Mbit/s fitted; "
+      f"{1e3 * chained['chain_call']:.3f} ms per call in a chain"
     )
     for row in result["rows"]:
       row = {"rate_mbit": rate, **row, **predict(row, fit, settings)}
       row["dense_over_disco"] = row["dense_ms"] / row["disco_ms"]
       for variant in ("dense", "disco"):
-        row[f"{variant}_over_model"] = (
-          row[f"{variant}_ms"] / row[f"predicted_{variant}_ms"]
-        )
+        for measured in ("", "_p10"):
+          row[f"{variant}{measured}_over_model"] = (
+            row[f"{variant}{measured}_ms"] / row[f"predicted_{variant}_ms"]
+          )
       links.append(row)
       common.log(
         f"{rate:g} Mbit/s {row['model']} batch {row['batch']}: one device "
@@ -446,9 +565,14 @@ def main(argv):
       "on one_device_ms",
       "wire_*": "the same model on a wire (every byte at the rate, no burst)",
       "*_over_model": "measured / predicted",
+      "*_p10_ms": "10th percentile of the same calls: a call that no "
+      "scheduling stall reached (the link fit's call cost is such a "
+      "percentile)",
       "link_fits": "per rate: seconds per ppermute call (message_latency) "
       "and bytes_per_second fitted on timed calls [bytes both nodes send, "
-      "median seconds, 10th-percentile seconds]",
+      "median seconds, 10th-percentile seconds]; chain_call: seconds one "
+      "more call adds inside a program of chained 64 B calls (not used by "
+      "the model), from chain_timed [calls, median seconds]",
       "*_bytes": "bytes the compiled program sends per call",
     },
     "wall_seconds": round(time.perf_counter() - started, 1),

@@ -207,6 +207,17 @@ def test_link_fit_takes_the_call_cost_from_small_calls():
     disco_latency.fit_link([[128, 1e-3], [2048, 1e-3], [2**17, 1e-3]])
 
 
+def test_chain_fit_is_the_cost_of_one_more_call_in_a_program():
+  from experiments import disco_latency
+
+  # 0.3 ms for a program of one call, 0.1 ms for each call chained after
+  points = [[c, 2e-4 + 1e-4 * c] for c in disco_latency.CHAIN_CALLS]
+  fit = disco_latency.fit_chain(points[::-1])
+  assert fit["chain_call"] == pytest.approx(1e-4)
+  with pytest.raises(ValueError, match="two call counts"):
+    disco_latency.fit_chain([[4, 1e-3], [4, 2e-3]])
+
+
 @pytest.mark.parametrize("size", [20])
 def test_detector_boxes_match_its_default_boxes_at_any_image_size(size):
   # Stride-2 'SAME' convs round up: at 20 px the maps are 5, 3 and 2 wide,
