@@ -173,6 +173,10 @@ def fit(
     gate_key = jax.random.key(seed)
   # The bytes budget: each group's bytes, counted once (a trace).
   group_bytes = None if schedule is None else schedule.group_bytes(model)
+  # The gates' penalty reads them in every step: on the device once.
+  penalty_bytes = None
+  if gates is not None and group_bytes is not None:
+    penalty_bytes = [jnp.asarray(b, jnp.float32) for b in group_bytes]
   for epoch in range(config.epochs):
     start = time.perf_counter()
     order = rng.permutation(len(images))
@@ -188,7 +192,7 @@ def fit(
           step,
           schedule.gate_penalty,
           schedule.gate_learning_rate,
-          group_bytes,
+          penalty_bytes,
         )
       index = order[batch * config.batch_size : (batch + 1) * config.batch_size]
       params, rest, opt_state, loss, average, gated = _train_step(
