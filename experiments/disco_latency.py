@@ -165,7 +165,7 @@ def _node(settings: dict) -> None:
         images = np.random.default_rng(0).random(
           (batch, *run.image_shape), np.float32
         )
-        row[f"{variant}_ms"], row[f"{variant}_p10_ms"] = _median_ms(
+        row[f"{variant}_ms"], row[f"{variant}_p10_ms"] = _ms_percentiles(
           run.apply, run.place(images), settings["repeats"]
         )
         row[f"{variant}_bytes"] = run.bytes_per_inference(batch) * batch
@@ -182,7 +182,7 @@ def _node(settings: dict) -> None:
       shape = model.config.image_size, model.config.image_size
       images = np.zeros((row["batch"], *shape, model.config.in_channels))
       placed = jax.device_put(images.astype(np.float32), device)
-      row["one_device_ms"], row["one_device_p10_ms"] = _median_ms(
+      row["one_device_ms"], row["one_device_p10_ms"] = _ms_percentiles(
         lambda x, f=forward, s=state: f(s, x), placed, settings["repeats"]
       )
     print(
@@ -248,7 +248,7 @@ def _time_chain(mesh, repeats: int) -> list[list[float]]:
   """[calls, median seconds] of one program of that many ppermute calls
   of 64 B each, one after another (each sends what the last received,
   plus one), for each of CHAIN_CALLS: a model's program makes its calls
-  in such a chain, each waiting for both nodes."""
+  in such a chain, each waiting for every node."""
   import jax
   from jax import lax
   from jax.sharding import NamedSharding
@@ -344,7 +344,7 @@ def fit_link(points) -> dict:
   return {"message_latency": call, "bytes_per_second": 1 / per_byte}
 
 
-def _median_ms(call, placed, repeats: int) -> tuple[float, float]:
+def _ms_percentiles(call, placed, repeats: int) -> tuple[float, float]:
   """(median, 10th percentile) milliseconds of `repeats` calls."""
   seconds = _times(call, placed, repeats)
   return tuple(1e3 * float(v) for v in np.percentile(seconds, [50, 10]))
