@@ -38,9 +38,9 @@ fraction of the groups' bytes instead (`comm_ratio` still counts groups).
   is a fraction of the traffic the masks control (not the outputs
   gathered to node 0) and no layer is floored to nothing. Random
   selection ranks by its random numbers alone (a random choice within
-  the same budget; it ends further below it than a ranking per byte,
-  which keeps small groups to fill with), and gates by their
-  probability of being open.
+  the same budget, made at the schedule's final ratio first so that it
+  fills the bytes as the ranking per byte does: `disco.byte_budget`),
+  and gates by their probability of being open.
 - Masks only shrink: a group dropped once is never kept again. A ratio
   above the kept groups is refused (with the bytes budget: bytes at least
   one largest group above them; a smaller rise keeps the groups as they
@@ -62,8 +62,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from disco import metrics
-from disco.errors import MetricsError, PruneError, require_int, require_number
+from disco import byte_budget
+from disco.errors import PruneError, require_int, require_number
 from disco.layers import CommMask, DiscoLayer, require_concrete_masks
 
 SELECTIONS = ("saliency", "gates", "magnitude", "random")
@@ -207,6 +207,7 @@ def to_ratio(
   saliency=None,
   gates=None,
   group_bytes=None,
+  final_ratio=None,
 ) -> None:
   """Sets the masks in place to keep the best `comm_ratio` of the groups
   (of their bytes with budget "bytes").
@@ -235,6 +236,10 @@ def to_ratio(
     group_bytes: with budget "bytes", each group's bytes per inference,
       shaped like `saliency`; by default `disco.metrics.group_bytes(model)`
       (the input shape from the model's config).
+    final_ratio: with selection "random" and budget "bytes", the ratio
+      the pruning schedule ends at, at most `comm_ratio` (default
+      `comm_ratio`): the random choice at it is kept first, so that the
+      last pruning fills its bytes (`disco.byte_budget`).
 
   Raises:
     PruneError: a ratio outside [0, 1], an unknown option, a target that
@@ -258,14 +263,33 @@ def to_ratio(
   scores = [
     _scores(g, index, selection, seed, given) for index, g in enumerate(groups)
   ]
+  if final_ratio is not None:
+    if (selection, budget) != ("random", "bytes"):
+      raise PruneError(
+        "final_ratio is read by random selection under the bytes budget "
+        f"only, got selection {selection!r}, budget {budget!r}"
+      )
+    final_ratio = check_ratio(final_ratio)
+    if final_ratio > comm_ratio:
+      raise PruneError(
+        f"final_ratio {final_ratio} is above the ratio pruned to now "
+        f"({comm_ratio}): a schedule ends below where it is"
+      )
   if group_bytes is not None and budget != "bytes":
     raise PruneError(
       f"group_bytes were given to budget {budget!r}, which counts groups: "
       "pass budget='bytes'"
     )
   if budget == "bytes":
-    costs = _group_bytes(model, groups, group_bytes)
-    _fill_bytes(groups, scores, costs, comm_ratio, selection)
+    crosses = [g.cross for g in groups]
+    costs = byte_budget.group_bytes(model, crosses, group_bytes)
+    kept = [g.kept() for g in groups]
+    if selection == "gates":
+      scores = [HardConcreteGates.open_probability(s, True) for s in scores]
+    chosen = byte_budget.fill(
+      crosses, kept, scores, costs, comm_ratio, selection, final_ratio
+    )
+    _set_masks(groups, kept, chosen)
     return
   if budget == "layer":
     for group, score in zip(groups, scores, strict=True):
@@ -410,7 +434,8 @@ class GradualSchedule:
     """
     if self.budget != "bytes":
       return None
-    return _group_bytes(model, mask_groups(model), None, self.input_shape)
+    crosses = [g.cross for g in mask_groups(model)]
+    return byte_budget.group_bytes(model, crosses, None, self.input_shape)
 
   def ratio_at(self, step: int) -> float:
     """The communication ratio the masks should have after `step` steps."""
@@ -445,6 +470,9 @@ class GradualSchedule:
       saliency=saliency,
       gates=gates,
       group_bytes=group_bytes,
+      final_ratio=self.target_ratio
+      if (self.selection, self.budget) == ("random", "bytes")
+      else None,
     )
 
 
@@ -692,78 +720,6 @@ def _scores(group, index, selection, seed, measured):
     )
   rms = np.sqrt(np.mean(np.square(norms[group.cross])))
   return norms / max(rms, 1e-12)
-
-
-def _group_bytes(model, groups, given, input_shape=None) -> list[np.ndarray]:
-  """The bytes of every group (`to_ratio`'s `group_bytes`, or counted at
-  `input_shape`)."""
-  if given is None:
-    try:
-      given = metrics.group_bytes(model, input_shape)
-    except MetricsError as error:
-      raise PruneError(
-        f"the bytes budget needs each group's bytes: {error} (pass "
-        "group_bytes=disco.metrics.group_bytes(model, input_shape), or a "
-        "GradualSchedule's input_shape)"
-      ) from None
-  costs = [np.asarray(c, np.float64) for c in given]
-  shapes = [g.cross.shape for g in groups]
-  if [c.shape for c in costs] != shapes:
-    raise PruneError(
-      f"group bytes of shapes {[c.shape for c in costs]} for mask groups of "
-      f"shapes {shapes}: they were counted on another model"
-    )
-  for index, (cost, group) in enumerate(zip(costs, groups, strict=True)):
-    values = cost[group.cross]
-    if not np.all(np.isfinite(values)) or np.any(values < 0):
-      raise PruneError(
-        f"the group bytes of mask group {index} must be finite and at least "
-        f"0, got {values.min() if values.size else values}"
-      )
-  return costs
-
-
-def _fill_bytes(groups, scores, costs, comm_ratio, selection) -> None:
-  """Keeps kept groups in order of score per byte while their bytes fit
-  `comm_ratio` x the bytes of all groups (`to_ratio`'s "bytes" budget)."""
-  crosses = [g.cross for g in groups]
-  kept = [g.kept() for g in groups]
-  total = sum(float(c[x].sum()) for c, x in zip(costs, crosses, strict=True))
-  # The epsilon absorbs float error in products that are whole numbers.
-  target = comm_ratio * total * (1 + 1e-9)
-  value = np.concatenate([s[k] for s, k in zip(scores, kept, strict=True)])
-  cost = np.concatenate([c[k] for c, k in zip(costs, kept, strict=True)])
-  held = float(cost.sum())
-  largest = max(
-    (float(c[x].max()) for c, x in zip(costs, crosses, strict=True) if x.any()),
-    default=0.0,
-  )
-  # Ratios that fall (a schedule) leave the kept bytes short of the target
-  # by less than one group (the last group left out did not fit); a gap of
-  # a whole largest group means the ratio rose above what was kept.
-  if target - held >= largest > 0:
-    raise PruneError(
-      f"ratio {comm_ratio} of the bytes would keep groups already dropped "
-      f"(the kept groups send {held:,.0f} of {total:,.0f} bytes): masks only "
-      "shrink; start again from a model with all masks one "
-      "(disco.metrics.with_masks(model, True))"
-    )
-  if selection == "gates":
-    value = HardConcreteGates.open_probability(value, host=True)
-  if selection == "random":
-    key = value  # a random choice within the budget
-  else:
-    # Free groups (a tensor no call reads) first; then value per byte.
-    key = np.divide(
-      value, cost, out=np.full_like(value, np.inf), where=cost > 0
-    )
-  chosen = np.zeros(value.shape, bool)
-  used = 0.0
-  for index in np.argsort(-key, kind="stable"):
-    if used + cost[index] <= target:
-      chosen[index] = True
-      used += cost[index]
-  _set_masks(groups, kept, chosen)
 
 
 def _keep_count(comm_ratio: float, groups: int) -> int:

@@ -249,6 +249,82 @@ def test_bytes_budget_ranks_by_score_per_byte():
     np.testing.assert_array_equal(first, second)
 
 
+def _schedule_random(seed, anchored, final=0.15, steps=12):
+  """TwoLayers pruned by random selection under the bytes budget along a
+  gradual schedule (first mask's groups 10 bytes, the second's 1: 112 in
+  all); `anchored`: as `GradualSchedule.apply` prunes (the final choice
+  first), else each pruning choosing afresh. (bytes kept, masks)."""
+  model = TwoLayers()
+  crosses = [g.cross for g in prune.mask_groups(model)]
+  costs = [np.where(crosses[0], 10, 0), np.where(crosses[1], 1, 0)]
+  schedule = prune.GradualSchedule(
+    target_ratio=final,
+    steps=steps,
+    every=1,
+    budget="bytes",
+    selection="random",
+    seed=seed,
+  )
+  for step in range(1, steps + 1):
+    if anchored:
+      schedule.apply(model, step, group_bytes=costs)
+    else:
+      prune.to_ratio(
+        model,
+        schedule.ratio_at(step),
+        budget="bytes",
+        selection="random",
+        seed=seed,
+        group_bytes=costs,
+      )
+    kept = _kept(model)
+    assert 10 * kept[0].sum() + kept[1].sum() <= schedule.ratio_at(step) * 112
+  return int(10 * kept[0].sum() + kept[1].sum()), kept
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_bytes_budget_ends_with_the_random_choice_at_its_ratio(seed):
+  # The random arm of a comparison must send the bytes the selection it
+  # is compared with sends: a schedule's random pruning ends with exactly
+  # the random choice made at the final ratio from every group, which
+  # fills 0.15 x 112 = 16.8 bytes to 16 (within one group).
+  sent, kept = _schedule_random(seed, anchored=True)
+  once = TwoLayers()
+  crosses = [g.cross for g in prune.mask_groups(once)]
+  costs = [np.where(crosses[0], 10, 0), np.where(crosses[1], 1, 0)]
+  prune.to_ratio(
+    once, 0.15, budget="bytes", selection="random", seed=seed, group_bytes=costs
+  )
+  for gradual, direct in zip(kept, _kept(once), strict=True):
+    np.testing.assert_array_equal(gradual, direct)
+  assert sent == 16
+
+
+def test_random_choices_made_afresh_at_each_pruning_fall_short():
+  # Why the final choice comes first: chosen afresh at each pruning, the
+  # random order keeps large groups that the last budgets cannot hold
+  # after the small ones were dropped (7 of 8 seeds end at 10-13 bytes).
+  short = [_schedule_random(seed, anchored=False)[0] for seed in range(8)]
+  assert sum(sent < 16 for sent in short) >= 6
+
+
+def test_final_ratio_is_refused_where_it_is_not_read():
+  model = TwoLayers()
+  with pytest.raises(PruneError, match="random selection under the bytes"):
+    prune.to_ratio(model, 0.5, selection="random", final_ratio=0.2)
+  crosses = [g.cross for g in prune.mask_groups(model)]
+  costs = [np.where(c, 4, 0) for c in crosses]
+  options = {"budget": "bytes", "group_bytes": costs}
+  with pytest.raises(PruneError, match="random selection under the bytes"):
+    prune.to_ratio(model, 0.5, final_ratio=0.2, **options)
+  with pytest.raises(PruneError, match="ends below where it is"):
+    prune.to_ratio(model, 0.2, selection="random", final_ratio=0.5, **options)
+  with pytest.raises(PruneError, match="in \\[0, 1\\]|real number"):
+    prune.to_ratio(
+      model, 0.2, selection="random", final_ratio=float("nan"), **options
+    )
+
+
 def test_bytes_budget_refuses_bytes_it_cannot_use():
   model = TwoLayers()
   crosses = [g.cross for g in prune.mask_groups(model)]
