@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import math
 from collections.abc import Callable, Sequence
 
@@ -56,6 +55,10 @@ _SIMULATED_ACTIONS = 20_000
 _SIMULATED_PLANS = 32
 # How far over the event simulation the estimate may be (see run_search).
 _ESTIMATE_OVER = 0.05
+# A micro-batch size waits while its work floor is over this many times
+# the best estimate so far (run_search): priced only if its plans could
+# start a local search or be simulated, so the search is the same.
+_DEFER = 1.25
 # A plan this much slower than the fastest may win with less padding
 # (under the 2% by which no other partition may beat the planners': the
 # trade must leave room for what the search misses) ...
@@ -214,31 +217,77 @@ def run_search(
       candidates[part] = (*found[:4], memory) if ok else None
     return candidates.get(part)
 
-  for b, partition in itertools.product(sizes, partitioners):
+  def offer(b: int) -> None:
+    """Prices the partitioners' partitions of micro-batch size `b`."""
+    for partition in partitioners:
+      for part in partition(b):
+        if first:
+          return
+        apart = (
+          split_branches(graph, part, costs) if planner == "graphpipe" else part
+        )
+        if apart != part:
+          # Grouped branches run apart on spare devices: a candidate beside
+          # the one whose spare devices become replicas.
+          spent = spend_spare_devices(graph, apart, costs)
+          split.update((spent, apart))
+          if evaluate(spent) is None:
+            evaluate(apart)
+        if part.schedule == "1f1b":
+          spent = spend_spare_devices(graph, part, costs)
+          # Replicas hold their gradient sums: the partition as the DP gave
+          # it (spare devices idle) may fit where the spent one does not.
+          if evaluate(spent) is not None:
+            continue
+        evaluate(part)
+
+  # Sizes in order of their work floor (`StageCosts.work_floor`): a size
+  # whose floor is over `_DEFER` x the best estimate so far waits, and is
+  # priced only where it could change the search (`restore_order`).
+  floors = {}
+  if max_padding is None and not (feasible_only or any_feasible):
+    floors = {b: costs.work_floor(b) for b in sizes}
+  runs: dict[int, list[Partition]] = {}  # the candidates each size added
+  deferred: list[int] = []
+  fastest = math.inf
+
+  def price(b: int) -> None:
+    nonlocal fastest
+    before = len(candidates)
+    offer(b)
+    runs[b] = list(candidates)[before:]
+    for part in runs[b]:
+      found = candidates[part]
+      if found is not None and found[0] < fastest:
+        fastest = found[0]
+
+  def restore_order() -> None:
+    """`candidates` in the order pricing the sizes as given would have
+    added them (ties in the rankings below keep that order)."""
+    first_ones = [part for b in sizes if b in runs for part in runs[b]]
+    known = set(first_ones)
+    order = first_ones + [part for part in candidates if part not in known]
+    again = [(part, candidates[part]) for part in order]
+    candidates.clear()
+    candidates.update(again)
+
+  def price_deferred() -> None:
+    for b in deferred:
+      price(b)
+    deferred.clear()
+    restore_order()
+
+  for b in sorted(sizes, key=floors.get) if floors else sizes:
+    if floors and floors[b] > _DEFER * fastest:
+      deferred.append(b)
+      continue
+    price(b)
     if first:
       return first[0]
-    for part in partition(b):
-      if first:
-        return first[0]
-      apart = (
-        split_branches(graph, part, costs) if planner == "graphpipe" else part
-      )
-      if apart != part:
-        # Grouped branches run apart on spare devices: a candidate beside
-        # the one whose spare devices become replicas.
-        spent = spend_spare_devices(graph, apart, costs)
-        split.update((spent, apart))
-        if evaluate(spent) is None:
-          evaluate(apart)
-      if part.schedule == "1f1b":
-        spent = spend_spare_devices(graph, part, costs)
-        # Replicas hold their gradient sums: the partition as the DP gave
-        # it (spare devices idle) may fit where the spent one does not.
-        if evaluate(spent) is not None:
-          continue
-      evaluate(part)
-  if first:
-    return first[0]
+  restore_order()
+  # Every plan of a deferred size estimates at least this (less float
+  # rounding: the floor and the estimates sum the same times apart).
+  waiting = min((floors[b] for b in deferred), default=math.inf) * (1 - 1e-9)
   offered = bool(candidates)  # the partitioners offered some partition
   everything = tuple(range(len(graph.nodes)))
   if max_padding is not None:
@@ -286,10 +335,21 @@ def run_search(
     )
   if first:
     return first[0]
-  ranked = sorted(
-    ((c[:3], part) for part, c in candidates.items() if c is not None),
-    key=lambda x: x[0],
-  )
+
+  def ranking() -> list:
+    return sorted(
+      ((c[:3], part) for part, c in candidates.items() if c is not None),
+      key=lambda x: x[0],
+    )
+
+  ranked = ranking()
+  if deferred and (
+    len({part.micro_batch_size for key, part in ranked if key[0] < waiting})
+    < _REFINED
+  ):
+    # A deferred size could be among the local search's starts.
+    price_deferred()
+    ranked = ranking()
   if not ranked:
     return None
   if feasible_only:
@@ -346,54 +406,66 @@ def run_search(
       # uniform plans found so far.
       for uniform in dict.fromkeys([part, refined]):
         grow_micro_batches(graph, uniform, batch_size, estimated)
-  # In order of estimate, each candidate's memory checked (the local
-  # search's neighbours were not all checked).
-  found = (
-    checked(part)
-    for part, _ in sorted(
-      ((part, c) for part, c in candidates.items() if c is not None),
-      key=lambda pc: pc[1][:3],
+
+  def choose() -> tuple[Plan, float]:
+    """(the plan, the estimate at which the simulations stopped)."""
+    # In order of estimate, each candidate's memory checked (the local
+    # search's neighbours were not all checked).
+    found = (
+      checked(part)
+      for part, _ in sorted(
+        ((part, c) for part, c in candidates.items() if c is not None),
+        key=lambda pc: pc[1][:3],
+      )
     )
-  )
-  found = (c for c in found if c is not None)
-  # The estimate is mostly a few percent under the event simulation, but
-  # may be over it by up to `_ESTIMATE_OVER` (several micro-batches whose
-  # fill the estimate charges in full): simulate the schedule each plan
-  # will run, best estimate first, until the next estimate is that much
-  # over the fastest simulated plan (or the simulation budget is spent).
-  # Plans within `padding_tolerance` of the fastest are simulated too: of
-  # those, a less padded one wins where its padding falls by more than its
-  # time grows (`least_padded`; every device holds slots the size of the
-  # largest stage's parameters).
-  best, budget, timed, close = None, _SIMULATED_ACTIONS, set(), []
-  slack = 1.0  # 1 + padding_tolerance once the fastest plan pads much
-  for c in found:
-    if best is not None and (
-      c[0] >= best[0] * max(slack, 1 + _ESTIMATE_OVER)
-      or len(timed) == _SIMULATED_PLANS
-    ):
-      break
-    # Plans the estimate cannot tell apart (mirror images: the same stages
-    # on other branches or devices) are simulated once.
-    twin = round(c[0], 12)
-    actions = 2 * c[3].num_microbatches * c[3].num_stages
-    if best is not None and (actions > budget or twin in timed):
-      continue
-    timed.add(twin)
-    budget -= actions
-    seconds = simulated_iteration_time(c[3], graph, cost_model)
-    close.append((seconds, *c[1:]))
-    if best is None or (seconds, *c[1:3]) < best[:3]:
-      best = (seconds, *c[1:])
-      padding = sum(c[4].padding_bytes)
-      heavy = padding >= PADDING_MIN_BYTES * c[3].num_devices
-      slack = 1 + padding_tolerance if heavy else 1.0
-  if slack == 1.0:
-    return best[3]
-  return least_padded(
-    [(c[0], c[4].padding_fraction, c) for c in close],
-    padding_tolerance,
-  )[3]
+    found = (c for c in found if c is not None)
+    # The estimate is mostly a few percent under the event simulation, but
+    # may be over it by up to `_ESTIMATE_OVER` (several micro-batches whose
+    # fill the estimate charges in full): simulate the schedule each plan
+    # will run, best estimate first, until the next estimate is that much
+    # over the fastest simulated plan (or the simulation budget is spent).
+    # Plans within `padding_tolerance` of the fastest are simulated too: of
+    # those, a less padded one wins where its padding falls by more than its
+    # time grows (`least_padded`; every device holds slots the size of the
+    # largest stage's parameters).
+    best, budget, timed, close = None, _SIMULATED_ACTIONS, set(), []
+    stop = math.inf  # the estimate the simulations stopped at
+    slack = 1.0  # 1 + padding_tolerance once the fastest plan pads much
+    for c in found:
+      if best is not None and (
+        c[0] >= best[0] * max(slack, 1 + _ESTIMATE_OVER)
+        or len(timed) == _SIMULATED_PLANS
+      ):
+        stop = c[0]
+        break
+      # Plans the estimate cannot tell apart (mirror images: the same stages
+      # on other branches or devices) are simulated once.
+      twin = round(c[0], 12)
+      actions = 2 * c[3].num_microbatches * c[3].num_stages
+      if best is not None and (actions > budget or twin in timed):
+        continue
+      timed.add(twin)
+      budget -= actions
+      seconds = simulated_iteration_time(c[3], graph, cost_model)
+      close.append((seconds, *c[1:]))
+      if best is None or (seconds, *c[1:3]) < best[:3]:
+        best = (seconds, *c[1:])
+        padding = sum(c[4].padding_bytes)
+        heavy = padding >= PADDING_MIN_BYTES * c[3].num_devices
+        slack = 1 + padding_tolerance if heavy else 1.0
+    if slack == 1.0:
+      return best[3], stop
+    return least_padded(
+      [(c[0], c[4].padding_fraction, c) for c in close],
+      padding_tolerance,
+    )[3], stop
+
+  chosen, stop = choose()
+  if deferred and stop >= waiting:
+    # The simulations went on past where a deferred size's plans begin.
+    price_deferred()
+    chosen, _ = choose()
+  return chosen
 
 
 def repair(

@@ -123,6 +123,32 @@ class StageCosts:
       )
     return self._times[share]
 
+  def work_floor(self, micro_batch: int) -> float:
+    """Seconds no plan of `micro_batch`-sample micro-batches estimates
+    under (`estimate_iteration_time`): every node's forward and backward
+    over the batch, each at the replica count that makes it cheapest per
+    sample, spread evenly over all devices.
+
+    A stage on k devices spends k x (B / b) x (its forward and backward at
+    b / k samples) device-seconds per iteration, its nodes' sums, and no
+    estimate is shorter than its stages' (B / b) x (forward + backward):
+    the stages' device-seconds, at most (devices) x the estimate, are at
+    least this floor's.
+    """
+    key = ("floor", micro_batch)
+    if key not in self._cache:
+      cheapest = None
+      for k in self.replica_counts(micro_batch):
+        share = self.share(micro_batch, k)
+        fwd, bwd = self.node_times(share)
+        per_sample = (fwd + bwd) / share
+        cheapest = (
+          per_sample if cheapest is None else np.minimum(cheapest, per_sample)
+        )
+      work = 0.0 if cheapest is None else float(cheapest.sum())
+      self._cache[key] = work * self.batch_size / self.num_devices
+    return self._cache[key]
+
   def compute_time(
     self, nodes: Sequence[int], micro_batch: int, num_devices: int
   ) -> tuple[float, float]:
