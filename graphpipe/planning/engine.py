@@ -245,7 +245,13 @@ def run_search(
   # whose floor is over `_DEFER` x the best estimate so far waits, and is
   # priced only where it could change the search (`restore_order`).
   floors = {}
-  if max_padding is None and not (feasible_only or any_feasible):
+  # (With at most `_REFINED` sizes every size would start a local search:
+  # none could wait.)
+  if (
+    max_padding is None
+    and not (feasible_only or any_feasible)
+    and len(sizes) > _REFINED
+  ):
     floors = {b: costs.work_floor(b) for b in sizes}
   runs: dict[int, list[Partition]] = {}  # the candidates each size added
   deferred: list[int] = []
