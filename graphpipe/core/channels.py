@@ -90,17 +90,21 @@ def color_pairs(pairs: Sequence[tuple]) -> list[list[tuple]]:
   Greedy by first fit, enough for pipeline fan-in/fan-out.
   """
   groups: list[list[tuple]] = []
-  used: list[tuple[set, set]] = []  # per group, its senders and receivers
+  # Per sender and per receiver, a bit for each group it is in: the first
+  # group free for both is the lowest bit clear in the two masks (a new
+  # group where every existing one is taken).
+  sends: dict = {}
+  receives: dict = {}
   for pair in sorted(set(pairs)):
-    for group, (senders, receivers) in zip(groups, used, strict=True):
-      if pair[0] not in senders and pair[1] not in receivers:
-        group.append(pair)
-        senders.add(pair[0])
-        receivers.add(pair[1])
-        break
-    else:
-      groups.append([pair])
-      used.append(({pair[0]}, {pair[1]}))
+    src, dst = pair[0], pair[1]
+    taken = sends.get(src, 0) | receives.get(dst, 0)
+    free = ~taken & (taken + 1)  # the lowest clear bit
+    index = free.bit_length() - 1
+    if index == len(groups):
+      groups.append([])
+    groups[index].append(pair)
+    sends[src] = sends.get(src, 0) | free
+    receives[dst] = receives.get(dst, 0) | free
   return groups
 
 

@@ -415,16 +415,10 @@ def run_search(
 
   def choose() -> tuple[Plan, float]:
     """(the plan, the estimate at which the simulations stopped)."""
-    # In order of estimate, each candidate's memory checked (the local
-    # search's neighbours were not all checked).
-    found = (
-      checked(part)
-      for part, _ in sorted(
-        ((part, c) for part, c in candidates.items() if c is not None),
-        key=lambda pc: pc[1][:3],
-      )
+    ranked = sorted(
+      ((part, c) for part, c in candidates.items() if c is not None),
+      key=lambda pc: pc[1][:3],
     )
-    found = (c for c in found if c is not None)
     # The estimate is mostly a few percent under the event simulation, but
     # may be over it by up to `_ESTIMATE_OVER` (several micro-batches whose
     # fill the estimate charges in full): simulate the schedule each plan
@@ -437,19 +431,29 @@ def run_search(
     best, budget, timed, close = None, _SIMULATED_ACTIONS, set(), []
     stop = math.inf  # the estimate the simulations stopped at
     slack = 1.0  # 1 + padding_tolerance once the fastest plan pads much
-    for c in found:
-      if best is not None and (
+    for part, c in ranked:
+      # Only plans within memory count (the local search's neighbours were
+      # not all checked). A plan skipped whether or not it fits (a twin,
+      # over the simulation budget) is not checked: memory is the costly
+      # part of the choice.
+      ends = best is not None and (
         c[0] >= best[0] * max(slack, 1 + _ESTIMATE_OVER)
         or len(timed) == _SIMULATED_PLANS
-      ):
-        stop = c[0]
-        break
+      )
       # Plans the estimate cannot tell apart (mirror images: the same stages
       # on other branches or devices) are simulated once.
       twin = round(c[0], 12)
       actions = 2 * c[3].num_microbatches * c[3].num_stages
-      if best is not None and (actions > budget or twin in timed):
+      if not ends and (
+        best is not None and (actions > budget or twin in timed)
+      ):
         continue
+      c = checked(part)
+      if c is None:
+        continue
+      if ends:
+        stop = c[0]
+        break
       timed.add(twin)
       budget -= actions
       seconds = simulated_iteration_time(c[3], graph, cost_model)
