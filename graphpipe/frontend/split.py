@@ -28,6 +28,10 @@ user's W into the inputs and `Splits.join` concatenates them back, so
 `update_model`, the trainer's parameters and checkpoints keep the
 user's form.
 
+An embedding table read by a lookup of rows is cut by rows instead, the
+lookup into one lookup per part and their sum (`graphpipe.frontend.
+split_rows`).
+
 A parameter read anywhere else (a weight-decay penalty, a tied embedding)
 is refused: the slices would have to be joined again where it is read.
 """
@@ -43,6 +47,7 @@ from jax import lax
 from jax._src import core as jcore
 
 from graphpipe.errors import CaptureError
+from graphpipe.frontend import split_rows
 
 
 def part_sizes(size: int, parts: int) -> list[int]:
@@ -79,9 +84,13 @@ def _axes(eqn, var):
       return None, "its convolution is grouped (feature_group_count > 1)"
     numbers = p["dimension_numbers"]
     return (numbers.rhs_spec[0], numbers.out_spec[1]), ""
+  if split_rows.is_lookup_reader(eqn):
+    # A table looked up by rows: cut by rows (no output axis to cut).
+    found, why = split_rows.lookup(eqn, var)
+    return ((0, None), "") if found is not None else (None, why)
   return None, (
-    f"it is read by {name}, not by a matrix product or convolution as its "
-    "weights"
+    f"it is read by {name}, not by a matrix product, convolution or row "
+    "lookup as its weights"
   )
 
 
@@ -137,9 +146,10 @@ class Splits:
           continue
         size = var.aval.shape[axes[0]]
         if count > size:
+          what = "output features" if axes[1] is not None else "rows"
           raise CaptureError(
             f"split_layers[{key!r}] = {count} parts, but {names[k]} has "
-            f"only {size} output features"
+            f"only {size} {what}"
           )
         found.append((k, (count, axes[0])))
       if not found or (exact and reasons):
@@ -147,7 +157,8 @@ class Splits:
         raise CaptureError(
           f"split_layers cannot split {key!r}: {detail}. A split layer's "
           "weights must be read once, as the weights of a matrix product "
-          "(last axis the output features) or of an ungrouped convolution"
+          "(last axis the output features), of an ungrouped convolution, "
+          "or as a table whose rows a gather looks up"
         )
       for k, value in found:
         if k in parts and parts[k] != value:
@@ -221,6 +232,7 @@ class Splits:
       else:
         invars.append(v)
     eqns, origin = [], []
+    constvars, consts = list(jaxpr.constvars), list(closed.consts)
     for index, eqn in enumerate(jaxpr.eqns):
       weights = [v for v in eqn.invars if _is_var(v) and v in pieces]
       if not weights:
@@ -230,6 +242,15 @@ class Splits:
       (var,) = weights
       parts, _ = pieces[var]
       _, out_axis = _axes(eqn, var)[0]
+      if out_axis is None:  # a row lookup: one per part, then their sum
+        made, part_of, (new_vars, values) = split_rows.split_lookup(
+          eqn, var, parts, var.aval.shape[0]
+        )
+        eqns += made
+        origin += [(index, p) for p in part_of]
+        constvars += new_vars
+        consts += values
+        continue
       out = eqn.outvars[0]
       ys = []
       for i, part in enumerate(parts):
@@ -251,10 +272,8 @@ class Splits:
     debug = jex.core.DebugInfo(
       "graphpipe split", "loss", None, tuple(str(i) for i in jaxpr.outvars)
     )
-    new = jex.core.Jaxpr(
-      jaxpr.constvars, invars, jaxpr.outvars, eqns, effects, debug
-    )
-    return jex.core.ClosedJaxpr(new, closed.consts), origin
+    new = jex.core.Jaxpr(constvars, invars, jaxpr.outvars, eqns, effects, debug)
+    return jex.core.ClosedJaxpr(new, consts), origin
 
 
 def part_labels(labels, origin) -> list[str]:

@@ -113,8 +113,11 @@ def capture(
     split_layers: parameter or module name -> number of parts: each such
       weight (of a matrix product or convolution) is cut by output
       features into that many parameters, each product part its own node
-      (tensor parallelism as graph branches, `graphpipe.frontend.split`):
-      {'head': 4}. The trainer's parameters keep the unsplit form.
+      (tensor parallelism as graph branches, `graphpipe.frontend.split`),
+      and each embedding table (read by a lookup of rows) by rows, each
+      part's lookup its own node (`graphpipe.frontend.split_rows`):
+      {'head': 4, 'embed': 2}. The trainer's parameters keep the unsplit
+      form.
     name, config: descriptive labels stored in the graph.
 
   Returns:
@@ -170,7 +173,7 @@ def capture(
   updated: list[int] | None = None
   # Scanned layer stacks unrolled, one node per layer: known after it.
   stacks: Stacks | None = None
-  # Layers split by output features (split_layers): known after it.
+  # Layers split by output features or rows (split_layers): known after it.
   splits: Splits | None = None
 
   # Collective axes the model's code names (BatchNorm(axis_name=...)):

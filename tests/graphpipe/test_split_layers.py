@@ -66,18 +66,18 @@ def image_batch(seed=0):
   }
 
 
-def reference(model, batch, optimizer, steps):
+def reference(model, batch, optimizer, steps, loss=mse):
   model = nnx.clone(model)
   opt = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
   losses = []
   for _ in range(steps):
-    value, grads = nnx.value_and_grad(mse)(model, batch)
+    value, grads = nnx.value_and_grad(loss)(model, batch)
     opt.update(model, grads)
     losses.append(float(value))
   return losses, model
 
 
-def check_training(model, batch, graph, plan, steps=2):
+def check_training(model, batch, graph, plan, steps=2, loss=mse):
   assert runnable.refusal(graph, plan) is None
   optimizer = optax.sgd(0.1, momentum=0.9)
   trainer = graphpipe.Trainer(plan, optimizer, graph=graph)
@@ -86,7 +86,7 @@ def check_training(model, batch, graph, plan, steps=2):
   for _ in range(steps):
     state, metrics = trainer.step(state, batch)
     got.append(metrics["loss"])
-  want, trained = reference(model, batch, optimizer, steps)
+  want, trained = reference(model, batch, optimizer, steps, loss)
   np.testing.assert_allclose(got, want, rtol=1e-5)
   mine = trainer.update_model(nnx.clone(model), state)
   for (path, a), (_, b) in zip(
