@@ -233,7 +233,10 @@ class Splits:
         invars.append(v)
     eqns, origin = [], []
     constvars, consts = list(jaxpr.constvars), list(closed.consts)
+    moved = set()  # sums of split lookups' rows, done in the parts
     for index, eqn in enumerate(jaxpr.eqns):
+      if id(eqn) in moved:
+        continue
       weights = [v for v in eqn.invars if _is_var(v) and v in pieces]
       if not weights:
         eqns.append(eqn)
@@ -243,8 +246,11 @@ class Splits:
       parts, _ = pieces[var]
       _, out_axis = _axes(eqn, var)[0]
       if out_axis is None:  # a row lookup: one per part, then their sum
+        then = split_rows.summed_after(eqn, jaxpr)
+        if then is not None:
+          moved.add(id(then))
         made, part_of, (new_vars, values) = split_rows.split_lookup(
-          eqn, var, parts, var.aval.shape[0]
+          eqn, var, parts, var.aval.shape[0], then
         )
         eqns += made
         origin += [(index, p) for p in part_of]

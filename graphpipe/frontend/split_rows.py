@@ -19,7 +19,10 @@ its scatter-add does), or, for a "fill" gather (`jnp.take`'s default),
 the fill value (NaN) in the sum's place. This is the row-wise
 (vocabulary-parallel) embedding of Megatron-LM and DLRM's table sharding
 as graph branches: the parts' outputs meet in the sum (an all-reduce of
-the lookups, as a fan-in the planner prices).
+the lookups, as a fan-in the planner prices). A `reduce_sum` that alone
+reads the lookup (an embedding bag's sum over its rows) is done in each
+part before the parts meet (`summed_after`): a sum is linear, and a part
+then sends one row per sample instead of the bag's rows.
 """
 
 from __future__ import annotations
@@ -87,10 +90,26 @@ def _row_gather(eqn, var) -> tuple[object | None, str]:
   return eqn, ""
 
 
-def split_lookup(eqn, var, parts, rows: int):
+def summed_after(eqn, jaxpr):
+  """The `reduce_sum` equation that alone reads the lookup `eqn`'s one
+  output (an embedding bag's sum over its rows), else None."""
+  if len(eqn.outvars) != 1 or any(v is eqn.outvars[0] for v in jaxpr.outvars):
+    return None
+  out = eqn.outvars[0]
+  readers = [e for e in jaxpr.eqns if any(v is out for v in e.invars)]
+  if len(readers) == 1 and readers[0].primitive.name == "reduce_sum":
+    return readers[0]
+  return None
+
+
+def split_lookup(eqn, var, parts, rows: int, then=None):
   """The equations replacing the lookup `eqn` of table `var` by `parts`
   (the row-range tables' variables, in order): (equations, the part of
-  each (index, parts) or None for the sum), constants (vars, values)."""
+  each (index, parts) or None for the sum), constants (vars, values).
+
+  `then`: the `reduce_sum` that alone reads the lookup (`summed_after`),
+  replaced too: each part sums its own rows (a sum is linear), so a part
+  sends the bag's sum, not its rows."""
   gather, _ = lookup(eqn, var)
   fixed = [(i, a) for i, a in enumerate(eqn.invars) if not _is_var(a)]
   inputs = [a for a in eqn.invars if _is_var(a) and a is not var]
@@ -144,9 +163,12 @@ def split_lookup(eqn, var, parts, rows: int):
         # Its forward clamps, but its gradient (a scatter-add) drops the
         # indices outside the table: so do the parts.
         y = jnp.where(outside(g, indices, y.shape), lax.stop_gradient(y), y)
-      return y
+      return y if then is None else summed(y)
 
     return rule
+
+  def summed(y):
+    return then.primitive.bind(y, **then.params)
 
   def join_rule(ys):
     def rule(g, _, indices):
@@ -156,17 +178,19 @@ def split_lookup(eqn, var, parts, rows: int):
       if mode != _FILL:
         return total
       fill = g.params["fill_value"]
-      fill = jnp.nan if fill is None else fill
-      return jnp.where(
-        outside(g, indices, total.shape), jnp.asarray(fill, total.dtype), total
-      )
+      fill = jnp.asarray(jnp.nan if fill is None else fill, total.dtype)
+      shape = g.outvars[0].aval.shape
+      if then is not None:  # the fill wherever the bag reads one
+        zero = jnp.zeros((), total.dtype)
+        return total + summed(jnp.where(outside(g, indices, shape), fill, zero))
+      return jnp.where(outside(g, indices, shape), fill, total)
 
     return rule
 
   new_eqns, origin, consts = [], [], ([], [])
   ys = []
   for i, (part, (lo, hi)) in enumerate(zip(parts, bounds, strict=True)):
-    y = jcore.Var(gather.outvars[0].aval)
+    y = jcore.Var((then or gather).outvars[0].aval)
     ys.append(y)
     traced = jax.make_jaxpr(
       lambda table, *values, lo=lo, hi=hi: _run(
@@ -183,7 +207,8 @@ def split_lookup(eqn, var, parts, rows: int):
   traced = jax.make_jaxpr(join)(
     *[y.aval for y in ys], *[a.aval for a in inputs]
   )
-  _inline(traced, [*ys, *inputs], list(eqn.outvars), new_eqns, consts)
+  outputs = list((then or eqn).outvars)
+  _inline(traced, [*ys, *inputs], outputs, new_eqns, consts)
   origin += [None] * (len(new_eqns) - len(origin))
   return new_eqns, origin, consts
 

@@ -57,7 +57,8 @@ def test_a_split_table_is_one_lookup_node_per_part_and_the_same_loss():
   model, batch = Lookups(nnx.Rngs(0)), tokens()
   graph = graphpipe.capture(loss, model, batch, split_layers=SPLIT)
   names = [n.name for n in graph.nodes]
-  assert names[:4] == ["embed#0of3", "embed#1of3", "embed#2of3", "embed"]
+  # (The sum, parameter-free, joins the code after it: `grouping`.)
+  assert names[:3] == ["embed#0of3", "embed#1of3", "embed#2of3"]
   parts = [graph.nodes[names.index(f"embed#{i}of3")] for i in range(3)]
   assert [list(p.params) for p in parts] == [
     [f"embed.embedding#{i}of3"] for i in range(3)
@@ -128,6 +129,8 @@ def test_a_table_larger_than_a_device_plans_once_split():
 
 
 def test_dlrm_tables_split_train_exactly():
+  """Each part sums its rows of the bag (`split_rows.summed_after`): it
+  sends a row per sample, not the bag's rows."""
   config = dlrm.Config.tiny()
   model = dlrm.Model(config, rngs=nnx.Rngs(4))
   batch = dlrm.make_batch(config, batch_size=BATCH)
@@ -137,7 +140,10 @@ def test_dlrm_tables_split_train_exactly():
     batch,
     split_layers={f"sparse.{j}": 2 for j in range(config.num_sparse)},
   )
-  assert sum("#" in n.name for n in graph.nodes) == 2 * config.num_sparse
+  parts = [n for n in graph.nodes if "#" in n.name]
+  assert len(parts) == 2 * config.num_sparse
+  sent = {e.bytes for e in graph.edges if graph.nodes[e.src] in parts}
+  assert sent == {4 * config.embedding_dim}  # a float32 row per sample
   plan = graphpipe.tightest_plan(graph, 8, BATCH)
   check_training(model, batch, graph, plan, loss=dlrm.loss_fn)
 
