@@ -13,6 +13,7 @@ from graphpipe.core.memory import KINDS, plan_memory
 from graphpipe.errors import CaptureError, PlanError
 from graphpipe.models import dlrm
 from graphpipe.planning.no_plan import memory_floor
+from tests.graphpipe import test_scanned_stacks as lm
 from tests.graphpipe.test_split_layers import check_training
 
 BATCH = 8
@@ -174,3 +175,35 @@ def test_lookups_that_cannot_split_are_refused_with_the_reason(split, message):
       tokens(),
       split_layers=split,
     )
+
+
+class VocabParallelLM(lm.LLM):
+  """The decoder LM of test_scanned_stacks (GQA, a scanned stack, the
+  token-weighted loss with padding) with an untied output head: both ends
+  split by the vocabulary (Megatron's vocabulary-parallel embedding and
+  output layer)."""
+
+  def __init__(self, layers, rngs):
+    super().__init__(layers, rngs)
+    self.head = nnx.Linear(lm.DIM, lm.VOCAB, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def run(x, layer):
+      return layer(x)
+
+    return self.head(self.norm(run(x, self.layers)))
+
+
+@pytest.mark.parametrize("planner", ["graphpipe", "sequential"])
+def test_a_vocabulary_parallel_lm_trains_exactly(planner):
+  model, batch = VocabParallelLM(3, nnx.Rngs(5)), lm.lm_batch()
+  graph = graphpipe.capture(
+    lm.lm_loss, model, batch, split_layers={"embed": 4, "head": 2}
+  )
+  names = [n.name for n in graph.nodes]
+  assert {"embed#3of4", "head#1of2"} <= set(names)
+  plan = graphpipe.tightest_plan(graph, 8, lm.BATCH, planner=planner)
+  lm.check(model, lm.lm_loss, batch, graph, plan)
