@@ -33,6 +33,10 @@ class CostModel(Protocol):
     """Time of the optimizer update of `param_bytes` of parameters."""
     ...
 
+  # Optional: `gradient_add_time(num_bytes)`, one micro-batch's gradient
+  # added to accumulated slots of `num_bytes` (the runtime does it at every
+  # backward); `simulate(..., lockstep=True)` asks for it.
+
 
 _MEMBERS = (
   "memory_bytes",

@@ -53,6 +53,10 @@ _HALF_EFFICIENCY_ELEMENTS_PER_SM = 1440
 # Adam's update reads parameters, gradients and two moments and writes the
 # parameters and the moments: 7 passes over the parameter bytes.
 _ADAM_PASSES = 7
+# The runtime adds each micro-batch's gradient to its accumulated slots:
+# the stage's branch writes the gradient out as a slot-sized array, then
+# an add reads it and the accumulator and writes the accumulator back.
+_GRADIENT_ADD_PASSES = 4
 # Kernels never run slower than this share of max efficiency (reductions
 # and losses have tiny outputs but spread their inputs over the device).
 _MIN_EFFICIENCY_SHARE = 0.02
@@ -416,3 +420,10 @@ class AnalyticCostModel:
   def optimizer_time(self, param_bytes: float) -> float:
     """Adam's update: 7 memory passes over the parameter bytes."""
     return _ADAM_PASSES * param_bytes / self._bandwidth
+
+  def gradient_add_time(self, num_bytes: float) -> float:
+    """One micro-batch's gradient added to accumulated slots of
+    `num_bytes`, as `graphpipe.runtime` does at every backward: 4 memory
+    passes (the gradient written out at the slots' size, then it and the
+    accumulator read and the sum written)."""
+    return _GRADIENT_ADD_PASSES * num_bytes / self._bandwidth

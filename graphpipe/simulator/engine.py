@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from graphpipe.core.cost_model import CostModel, check_cost_model
 from graphpipe.core.fingerprint import made_for
 from graphpipe.core.graph import OpGraph
-from graphpipe.core.memory import plan_memory
+from graphpipe.core.memory import plan_holdings, plan_memory
 from graphpipe.core.stages import Plan
 from graphpipe.costs.analytic import PRESETS, AnalyticCostModel, device_spec
 from graphpipe.errors import SimulationError
@@ -226,7 +226,11 @@ def simulate(
     lockstep: time the schedule as `graphpipe.runtime` executes it: tick by
       tick, every tick lasting until its slowest action and its transfers
       are done (one SPMD program with collectives at every tick), instead
-      of each stage starting as soon as its inputs arrive.
+      of each stage starting as soon as its inputs arrive; and every
+      backward adding its gradient to accumulated slots the size of the
+      largest stage's trainable parameters (SPMD slots: a light stage's
+      device adds as many bytes as the heaviest's), priced by the cost
+      model's `gradient_add_time`, which lockstep then needs.
   """
   if not isinstance(plan, Plan) or not isinstance(graph, OpGraph):
     raise SimulationError(
@@ -250,8 +254,9 @@ def simulate(
   else:
     check_schedule(schedule)
   _check_fit(plan, graph, schedule)
+  accumulate = _gradient_add(plan, graph, cost_model) if lockstep else 0.0
   iteration_time, events, device_end = _timeline(
-    plan, graph, cost_model, schedule, lockstep, record=True
+    plan, graph, cost_model, schedule, lockstep, record=True, add=accumulate
   )
   num_stages = plan.num_stages
 
@@ -299,6 +304,23 @@ def simulated_iteration_time(
   return _timeline(plan, graph, cost_model, schedule, False, record=False)[0]
 
 
+def _gradient_add(plan: Plan, graph: OpGraph, cost_model: CostModel) -> float:
+  """Seconds each backward of the runtime's step spends adding its
+  gradient to the accumulated slots (`graphpipe.runtime.slots.scatter`:
+  whole slots, the size of the largest stage's trainable parameters)."""
+  if not any(graph.variable_bytes(s.nodes, "param") for s in plan.stages):
+    return 0.0
+  if not hasattr(cost_model, "gradient_add_time"):
+    raise SimulationError(
+      "lockstep=True times the runtime's step, whose backwards add their "
+      "gradients to slot-sized accumulators: the cost model needs "
+      "gradient_add_time(num_bytes) (AnalyticCostModel and "
+      "ProfiledCostModel have it)"
+    )
+  slots = plan_holdings(graph, plan).param_elements
+  return cost_model.gradient_add_time(4 * slots)
+
+
 def _timeline(
   plan: Plan,
   graph: OpGraph,
@@ -306,8 +328,10 @@ def _timeline(
   schedule: Schedule,
   lockstep: bool,
   record: bool,
+  add: float = 0.0,
 ) -> tuple[float, list, dict]:
-  """(iteration time, trace events (with `record`), per device its end)."""
+  """(iteration time, trace events (with `record`), per device its end);
+  `add`: seconds added to every backward (`_gradient_add`)."""
   num_stages = plan.num_stages
   share = [_per_device(s.micro_batch_size, len(s.devices)) for s in plan.stages]
   compute = {
@@ -368,6 +392,8 @@ def _timeline(
       start = max(start, finish[Action(stage, FORWARD, k)])
     start = max(start, arrival.get(action, 0.0))
     duration = compute[action.kind][stage]
+    if action.kind == BACKWARD:
+      duration += add
     finish[action] = start + duration
     stage_free[stage] = start + duration
     for device in plan.stages[stage].devices if record else ():

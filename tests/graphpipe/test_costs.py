@@ -204,6 +204,9 @@ def test_profiled_model_times_every_node_and_caches(tiny_graph, tmp_path):
   assert model.node_time(node, 2.5, "fwd") == pytest.approx(midway)
   assert model.node_time(node, 0.5, "fwd") > 0
   assert model.transfer_time(1e6, 0, 5) == analytic.transfer_time(1e6, 0, 5)
+  # Gradient adds are timed on the device, once per size.
+  add = model.gradient_add_time(4e6)
+  assert add > 0 and model.gradient_add_time(4e6) == add
   (cache,) = tmp_path.iterdir()
   assert json.loads(cache.read_text())["fingerprint"] == model.fingerprint
   # A graph loaded from JSON has no program but finds the cached profile.

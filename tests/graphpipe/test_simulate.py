@@ -311,3 +311,64 @@ def test_a_plan_is_simulated_with_the_model_it_was_made_with():
   assert simulate(again, graph, AnalyticCostModel(fast)).iteration_time_s == own
   # A preset by value records the preset's name.
   assert graphpipe.plan(graph, 2, 8, device=v100).device == "v100"
+
+
+def test_lockstep_prices_the_slot_sized_gradient_adds():
+  """The runtime adds each backward's gradient to slots the size of the
+  largest stage's parameters, on every device (a light stage's too):
+  lockstep adds the cost model's gradient_add_time of those bytes to
+  every backward, and refuses a cost model without it."""
+  from graphpipe.core.graph import Edge, Node, OpGraph
+  from graphpipe.core.stages import Plan, Stage
+  from graphpipe.errors import SimulationError
+  from graphpipe.simulator.engine import simulate
+
+  asked = []
+
+  class Fixed:
+    memory_bytes = 1e12
+
+    def node_time(self, node, batch, kind):
+      return 1.0 if kind == "fwd" else 2.0
+
+    def transfer_time(self, num_bytes, src, dst):
+      return 0.0
+
+    def allreduce_time(self, num_bytes, devices):
+      return 0.0
+
+    def optimizer_time(self, param_bytes):
+      return 0.0
+
+  class WithAdds(Fixed):
+    def gradient_add_time(self, num_bytes):
+      asked.append(num_bytes)
+      return 0.5
+
+  nodes = [Node(0, "a", ("a",), 4000), Node(1, "b", ("b",), 40)]
+  graph = OpGraph(nodes, [Edge(0, 1, 4.0)])
+  plan = Plan(
+    "sequential",
+    (Stage(0, (0,), (0,), 1, 2), Stage(1, (1,), (1,), 1, 1)),
+    ((0, 1),),
+    4,
+    2,
+  )
+  # 2 forward-only ticks and 8 holding a backward (2 f + 8 b, the test
+  # above), each backward 0.5 longer.
+  report = simulate(plan, graph, WithAdds(), lockstep=True)
+  assert report.iteration_time_s == 2 * 1.0 + 8 * 2.5
+  assert set(asked) == {4000}  # the heavy stage's slots, for both
+  assert simulate(plan, graph, WithAdds()).iteration_time_s == 15.0
+  with pytest.raises(SimulationError, match="gradient_add_time"):
+    simulate(plan, graph, Fixed(), lockstep=True)
+
+
+def test_gradient_adds_are_priced_from_memory_passes():
+  from graphpipe.costs import AnalyticCostModel, device_spec
+
+  v100 = AnalyticCostModel(device_spec("v100"))
+  # 4 memory passes over the bytes, as Adam's update is 7.
+  assert v100.gradient_add_time(1e9) == pytest.approx(
+    v100.optimizer_time(1e9) * 4 / 7
+  )
