@@ -16,7 +16,8 @@ measured_ratio is the median of (sequential / graphpipe) step-time pairs
 (measured_ratios, one per pair).
 predicted_ratio is the simulator's for the same plans, with node times
 profiled on one pinned core and the runtime's tick-by-tick execution
-(lockstep), transfers priced with the loopback collective latency measured
+(lockstep, with the slot-sized gradient add of every backward timed on
+the core), transfers priced with the loopback collective latency measured
 in the same run; the asynchronous-pipeline prediction is reported beside it.
 
 Defaults: towers of 4 layers of 512 over a 256-wide input, batch 1024 in 4
