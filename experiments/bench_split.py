@@ -15,9 +15,9 @@ classifier head; two plans on the two devices, alternating step by step:
 measured_ratio is the median of (whole / split) step-time pairs;
 predicted_ratio the simulator's for the same plans (lockstep, node times
 and the gradient adds of every backward profiled on one pinned core,
-transfers priced with the loopback latency measured in the same run). Each plan's measured step beside its simulated
-step says whether the simulator prices a split layer's stages as they
-run.
+transfers priced with the loopback latency measured in the same run).
+Each plan's measured step beside its simulated step says whether the
+simulator prices a split layer's stages as they run.
 
 Defaults: 1024 inputs, a wide layer of 4096, 10 classes, batch 512 in 4
 micro-batches of 128.
