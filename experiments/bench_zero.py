@@ -11,9 +11,10 @@ all-reduce) and once as a ZeRO-1 stage (a reduce-scatter, each device
 updates its half, an all-gather; `graphpipe.runtime.zero`). The two run
 alternately, step by step; `measured_ratio` is the median of (replicated
 / ZeRO-1) step-time pairs. `predicted_*` are the simulator's step times
-for the same plans (lockstep, node times and the gradient adds of every backward
-profiled on one pinned core, transfers and all-reduces priced with the loopback latency measured in
-the same run), and `zero_step_error` how far the simulated ZeRO-1 step is
+for the same plans (lockstep, node times and the gradient adds of every
+backward profiled on one pinned core, transfers and all-reduces priced
+with the loopback latency measured in the same run), and
+`zero_step_error` how far the simulated ZeRO-1 step is
 from the measured one (a share of the measured).
 """
 

@@ -19,7 +19,10 @@ writes to DIR:
                  planner's bound beside them, iteration_floor_s and
                  iteration_floor_node (no plan on these devices simulates
                  faster: `graphpipe.simulator.iteration_floor`; analytic
-                 costs only), plus the config and the environment.
+                 costs only), runtime_iteration_time_s (the same plan as
+                 `graphpipe.runtime` steps it: tick by tick, every
+                 backward adding slot-sized gradients; `simulate(...,
+                 lockstep=True)`), plus the config and the environment.
 
 Default batch size (our choice; PAPERS.md has no table): the zoo's
 `default_batch_size` is the mini-batch of one 4-GPU Summit node, and larger
@@ -38,7 +41,13 @@ import optax
 from absl import app, flags
 
 from experiments import common
-from graphpipe import PLANNERS, memory_report, models, plan_and_simulate
+from graphpipe import (
+  PLANNERS,
+  memory_report,
+  models,
+  plan_and_simulate,
+  simulate,
+)
 from graphpipe.core.memory import plan_memory
 from graphpipe.costs import AnalyticCostModel, device_spec
 from graphpipe.errors import (
@@ -152,8 +161,15 @@ def run(
       f"(node {floor.node!r} alone); this plan is "
       f"{report.iteration_time_s / floor.seconds:.2f}x of it"
     )
+  # As the runtime steps it: tick by tick, slot-sized gradient adds.
+  runtime = simulate(plan, graph, lockstep=True).iteration_time_s
+  common.log(
+    f"      as graphpipe.runtime steps it: {runtime * 1e3:.4g} ms "
+    f"({runtime / report.iteration_time_s:.2f}x)"
+  )
   results = {
     **common.plan_summary(plan, report),
+    "runtime_iteration_time_s": runtime,
     "iteration_floor_s": floor.seconds if floor else None,
     "iteration_floor_node": floor.node if floor else None,
     "model": model,
