@@ -76,6 +76,7 @@ def run(
   piper_budget: int = PIPER_BUDGET,
   stage_shardings: tuple[str, ...] = ("replicated",),
   split_layers: dict[str, int] | None = None,
+  lockstep: bool = False,
 ) -> dict:
   """Captures, plans, schedules and simulates; writes DIR's files.
 
@@ -103,6 +104,8 @@ def run(
       optimizer state, ZeRO-1).
     split_layers: layers captured in parts by output features, each part
       its own node (`graphpipe.capture`'s): {'head.layers.0': 4}.
+    lockstep: `graphpipe.plan`'s: choose the plan by how the runtime
+      steps it rather than by the paper's asynchronous pipeline.
 
   Returns:
     The dict written to results.json.
@@ -138,6 +141,7 @@ def run(
     max_padding=max_padding,
     piper_budget=piper_budget,
     stage_shardings=stage_shardings,
+    lockstep=lockstep,
   )
   common.log(f"{plan}\n[3/4] simulated: {report}")
   memory = memory_figures(plan, graph)
@@ -185,6 +189,7 @@ def run(
       "padding_tolerance": padding_tolerance,
       "max_padding": max_padding,
       "piper_budget": piper_budget,
+      "lockstep": lockstep,
     },
     "in_flight": list(schedule.in_flight),
     "peak_stash": list(report.peak_stash),
@@ -291,6 +296,13 @@ def define_flags() -> None:
     "Layouts a stage may take: replicated, or replicated,zero1 (stages on "
     "several devices shard their optimizer state, ZeRO-1).",
   )
+  flags.DEFINE_bool(
+    "lockstep",
+    False,
+    "Choose the plan by how graphpipe.runtime steps it (tick by tick, "
+    "slot-sized gradient adds) rather than by the paper's asynchronous "
+    "pipeline.",
+  )
   flags.DEFINE_list(
     "split_layers",
     [],
@@ -346,6 +358,7 @@ def main(argv):
       max_padding=options.max_padding,
       piper_budget=options.piper_budget,
       stage_shardings=tuple(options.stage_shardings),
+      lockstep=options.lockstep,
       split_layers=parse_split_layers(options.split_layers),
     )
   except GraphpipeError as err:

@@ -131,6 +131,7 @@ def run_search(
   max_padding: float | None = None,
   any_feasible: bool = False,
   shardings: Sequence[str] = ("replicated",),
+  lockstep: bool = False,
 ) -> Plan | None:
   """The fastest candidate plan (see the module docstring), or None.
 
@@ -144,6 +145,9 @@ def run_search(
   count, and data-parallel copies of the whole model are candidates too.
   `padding_tolerance` None: `PADDING_TOLERANCE` as it is at call time.
   `shardings`: the stage layouts plans may use (`StageCosts`).
+  `lockstep`: the candidates are simulated as `graphpipe.runtime` steps
+  them (`simulate(..., lockstep=True)`) instead of as the paper's
+  asynchronous pipeline.
   """
   if padding_tolerance is None:
     padding_tolerance = PADDING_TOLERANCE
@@ -456,7 +460,7 @@ def run_search(
         break
       timed.add(twin)
       budget -= actions
-      seconds = simulated_iteration_time(c[3], graph, cost_model)
+      seconds = simulated_iteration_time(c[3], graph, cost_model, lockstep)
       close.append((seconds, *c[1:]))
       if best is None or (seconds, *c[1:3]) < best[:3]:
         best = (seconds, *c[1:])

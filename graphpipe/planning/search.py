@@ -74,6 +74,7 @@ def plan(
   padding_tolerance: float | None = None,
   max_padding: float | None = None,
   stage_shardings: Sequence[str] = ("replicated",),
+  lockstep: bool = False,
 ) -> Plan:
   """A stage graph for `graph` on `num_devices` devices.
 
@@ -130,6 +131,12 @@ def plan(
       `graphpipe.runtime.zero`: a k-th of the optimizer state per device
       for the same communication, so such stages always take it, and the
       search counts the memory it frees).
+    lockstep: choose among the simulated candidates by how
+      `graphpipe.runtime` steps them (`simulate(..., lockstep=True)`: tick
+      by tick, every backward adding gradients to slots the size of the
+      largest stage's) instead of by the paper's asynchronous pipeline.
+      The candidates and the local search are the same; the cost model
+      needs `gradient_add_time`. Off by default, as in the paper.
 
   Raises:
     PlanError: no plan fits (the message names the smallest per-device
@@ -156,6 +163,14 @@ def plan(
   if cost_model is None:
     cost_model = AnalyticCostModel(spec_of(device))
   check_cost_model(cost_model, PlanError)
+  if not isinstance(lockstep, bool):
+    raise PlanError(f"lockstep must be True or False, got {lockstep!r}")
+  if lockstep and not hasattr(cost_model, "gradient_add_time"):
+    raise PlanError(
+      "lockstep=True simulates the runtime's gradient adds: the cost model "
+      "needs gradient_add_time(num_bytes) (AnalyticCostModel and "
+      "ProfiledCostModel have it)"
+    )
   if memory_bytes is None:
     memory_bytes = cost_model.memory_bytes
   check_memory_bytes(memory_bytes)
@@ -177,6 +192,7 @@ def plan(
       padding_tolerance=padding_tolerance,
       max_padding=max_padding,
       shardings=shardings,
+      lockstep=lockstep,
     )
     return sizes, best
 
@@ -191,6 +207,7 @@ def plan(
       "padding_tolerance": padding_tolerance,
       "piper_budget": piper_budget,
       "shardings": shardings,
+      "lockstep": lockstep,
     }
     unlimited = run_search(
       *args, math.inf, sizes, **options, max_padding=max_padding

@@ -294,14 +294,17 @@ def simulate(
 
 
 def simulated_iteration_time(
-  plan: Plan, graph: OpGraph, cost_model: CostModel
+  plan: Plan, graph: OpGraph, cost_model: CostModel, lockstep: bool = False
 ) -> float:
-  """`simulate(plan, graph, cost_model).iteration_time_s`, without the
-  report (no trace, memory or bubble figures): what a planner ranks its
-  candidates by, thousands of times a search."""
+  """`simulate(plan, graph, cost_model, lockstep=lockstep).iteration_time_s`,
+  without the report (no trace, memory or bubble figures): what a planner
+  ranks its candidates by, thousands of times a search."""
   schedule = schedule_for(plan)
   _check_fit(plan, graph, schedule)
-  return _timeline(plan, graph, cost_model, schedule, False, record=False)[0]
+  add = _gradient_add(plan, graph, cost_model) if lockstep else 0.0
+  return _timeline(
+    plan, graph, cost_model, schedule, lockstep, record=False, add=add
+  )[0]
 
 
 def _gradient_add(plan: Plan, graph: OpGraph, cost_model: CostModel) -> float:
