@@ -72,6 +72,8 @@ def test_plan_writes_every_output(tmp_path):
   # No plan is faster than the floor; this one is not below it.
   assert 0 < results["iteration_floor_s"] <= results["iteration_time_s"]
   assert results["iteration_floor_node"]
+  # As the runtime steps it: tick by tick, with slot-sized gradient adds.
+  assert results["runtime_iteration_time_s"] >= results["iteration_time_s"]
   trace = json.loads((tmp_path / "trace.json").read_text())
   assert any(e["ph"] == "X" for e in trace["traceEvents"])
   schedule = json.loads((tmp_path / "schedule.json").read_text())
