@@ -249,6 +249,25 @@ def test_gantt_without_matplotlib_says_how_to_install(monkeypatch, tmp_path):
     trace.save_gantt(str(tmp_path / "x.png"), [])
 
 
+class Fixed:
+  """A cost model of fixed times: forward 1 s, backward 2 s, the rest 0
+  (no `gradient_add_time`)."""
+
+  memory_bytes = 1e12
+
+  def node_time(self, node, batch, kind):
+    return 1.0 if kind == "fwd" else 2.0
+
+  def transfer_time(self, num_bytes, src, dst):
+    return 0.0
+
+  def allreduce_time(self, num_bytes, devices):
+    return 0.0
+
+  def optimizer_time(self, param_bytes):
+    return 0.0
+
+
 def test_lockstep_matches_tick_by_tick_count():
   # Two chained stages, 4 micro-batches, backward twice the forward: the
   # lock-step 1F1B grid has 2 forward-only ticks and 8 ticks holding a
@@ -256,21 +275,6 @@ def test_lockstep_matches_tick_by_tick_count():
   from graphpipe.core.graph import Edge, Node, OpGraph
   from graphpipe.core.stages import Plan, Stage
   from graphpipe.simulator.engine import simulate
-
-  class Fixed:
-    memory_bytes = 1e12
-
-    def node_time(self, node, batch, kind):
-      return 1.0 if kind == "fwd" else 2.0
-
-    def transfer_time(self, num_bytes, src, dst):
-      return 0.0
-
-    def allreduce_time(self, num_bytes, devices):
-      return 0.0
-
-    def optimizer_time(self, param_bytes):
-      return 0.0
 
   graph = OpGraph([Node(0, "a"), Node(1, "b")], [Edge(0, 1, 4.0)])
   plan = Plan(
@@ -324,21 +328,6 @@ def test_lockstep_prices_the_slot_sized_gradient_adds():
   from graphpipe.simulator.engine import simulate
 
   asked = []
-
-  class Fixed:
-    memory_bytes = 1e12
-
-    def node_time(self, node, batch, kind):
-      return 1.0 if kind == "fwd" else 2.0
-
-    def transfer_time(self, num_bytes, src, dst):
-      return 0.0
-
-    def allreduce_time(self, num_bytes, devices):
-      return 0.0
-
-    def optimizer_time(self, param_bytes):
-      return 0.0
 
   class WithAdds(Fixed):
     def gradient_add_time(self, num_bytes):
@@ -396,20 +385,5 @@ def test_plans_chosen_for_the_runtime_step_faster_there():
   with pytest.raises(PlanError, match="lockstep must be True or False"):
     graphpipe.plan(graph, 8, 8, lockstep="yes")
 
-  class NoAdds:
-    memory_bytes = 1e12
-
-    def node_time(self, node, batch, kind):
-      return 1e-3
-
-    def transfer_time(self, num_bytes, src, dst):
-      return 0.0
-
-    def allreduce_time(self, num_bytes, devices):
-      return 0.0
-
-    def optimizer_time(self, param_bytes):
-      return 0.0
-
   with pytest.raises(PlanError, match="gradient_add_time"):
-    graphpipe.plan(graph, 8, 8, cost_model=NoAdds(), lockstep=True)
+    graphpipe.plan(graph, 8, 8, cost_model=Fixed(), lockstep=True)
