@@ -40,6 +40,7 @@ from graphpipe.errors import (
 from graphpipe.frontend.tracer import capture
 from graphpipe.planning.search import PLANNERS, plan
 from graphpipe.planning.simulated import plan_and_simulate
+from graphpipe.planning.splits import fastest_split
 from graphpipe.planning.tightest import tightest_plan
 from graphpipe.planning.validate import check_plan
 from graphpipe.runtime import Trainer, TrainState
@@ -82,6 +83,7 @@ __all__ = [
   "check_plan",
   "check_schedule",
   "draw_graph",
+  "fastest_split",
   "memory_report",
   "plan",
   "plan_and_simulate",

@@ -261,3 +261,40 @@ def test_a_split_model_checkpoint_restores_into_another_plan(tmp_path):
   )
   _, got = second.step(second.restore(tmp_path / "ckpt"), mlp_batch(6))
   np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
+
+
+def test_fastest_split_keeps_the_fastest_combination():
+  """`graphpipe.fastest_split` captures each combination of part counts,
+  plans each alike and keeps the fastest simulated plan (the same as
+  planning each by hand)."""
+  from graphpipe import simulate
+
+  model, batch = Big(nnx.Rngs(6)), mlp_batch(6)
+
+  def capture_with(split):
+    return graphpipe.capture(mse, model, batch, split_layers=split)
+
+  split, graph, plan, tried = graphpipe.fastest_split(
+    capture_with, 8, BATCH, {"b": (1, 2, 4)}
+  )
+  by_hand = {}
+  for parts in (1, 2, 4):
+    layers = {"b": parts} if parts > 1 else {}
+    g = capture_with(layers)
+    by_hand[parts] = simulate(graphpipe.plan(g, 8, BATCH), g).iteration_time_s
+  assert [t["iteration_time_s"] for t in tried] == [
+    pytest.approx(by_hand[p]) for p in (1, 2, 4)
+  ]
+  fastest = min(by_hand, key=by_hand.get)
+  assert split == ({"b": fastest} if fastest > 1 else {})
+  assert simulate(plan, graph).iteration_time_s == pytest.approx(
+    by_hand[fastest]
+  )
+  # Under a budget only split graphs meet, the whole layer has no plan.
+  budget = memory_floor(capture_with({}))[0] / 2
+  split, _, _, tried = graphpipe.fastest_split(
+    capture_with, 8, BATCH, {"b": (1, 4)}, memory_bytes=budget
+  )
+  assert split == {"b": 4} and "error" in tried[0]
+  with pytest.raises(PlanError, match="part counts >= 1"):
+    graphpipe.fastest_split(capture_with, 8, BATCH, {"b": (0, 2)})
