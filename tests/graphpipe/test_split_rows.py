@@ -207,3 +207,26 @@ def test_a_vocabulary_parallel_lm_trains_exactly(planner):
   assert {"embed#3of4", "head#1of2"} <= set(names)
   plan = graphpipe.tightest_plan(graph, 8, lm.BATCH, planner=planner)
   lm.check(model, lm.lm_loss, batch, graph, plan)
+
+
+class TwiceRead(nnx.Module):
+  """The lookup's rows read by a sum and by a slice: the sum cannot move
+  into the parts (`split_rows.summed_after`), the rows are sent."""
+
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(ROWS, 6, rngs=rngs)
+    self.out = nnx.Linear(6, 1, rngs=rngs)
+
+  def __call__(self, tokens, other):
+    rows = self.embed(tokens)
+    return self.out(jnp.tanh(rows.sum(1) + rows[:, 0]))
+
+
+def test_a_lookup_read_twice_sends_its_rows():
+  model, batch = TwiceRead(nnx.Rngs(7)), tokens(7)
+  graph = graphpipe.capture(loss, model, batch, split_layers={"embed": 2})
+  parts = [n for n in graph.nodes if "#" in n.name]
+  sent = {e.bytes for e in graph.edges if graph.nodes[e.src] in parts}
+  assert sent == {4 * 6 * batch["t"].shape[1]}  # every row of the bag
+  plan = graphpipe.tightest_plan(graph, 4, BATCH)
+  check_training(model, batch, graph, plan, loss=loss)
