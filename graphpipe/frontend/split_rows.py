@@ -111,13 +111,12 @@ def split_lookup(eqn, var, parts, rows: int, then=None):
   replaced too: each part sums its own rows (a sum is linear), so a part
   sends the bag's sum, not its rows."""
   gather, _ = lookup(eqn, var)
-  fixed = [(i, a) for i, a in enumerate(eqn.invars) if not _is_var(a)]
   inputs = [a for a in eqn.invars if _is_var(a) and a is not var]
   place = eqn.invars.index(var)
   mode = gather.params["mode"]
-  bounds, lo = [], 0
+  starts, lo = [], 0  # each part's first row
   for part in parts:
-    bounds.append((lo, lo + part.aval.shape[0]))
+    starts.append(lo)
     lo += part.aval.shape[0]
 
   def arguments(table, values):
@@ -129,7 +128,7 @@ def split_lookup(eqn, var, parts, rows: int, then=None):
       if i == place:
         args.append(table)
       elif not _is_var(atom):
-        args.append(dict(fixed)[i].val)
+        args.append(atom.val)
       else:
         args.append(next(it))
     return args
@@ -147,7 +146,7 @@ def split_lookup(eqn, var, parts, rows: int, then=None):
     kept = [d for d in range(len(shape)) if d not in offset]
     return lax.broadcast_in_dim(flags, shape, kept)
 
-  def part_rule(lo, hi):
+  def part_rule(lo):
     def rule(g, table, indices):
       y = lax.gather(
         table,
@@ -189,12 +188,12 @@ def split_lookup(eqn, var, parts, rows: int, then=None):
 
   new_eqns, origin, consts = [], [], ([], [])
   ys = []
-  for i, (part, (lo, hi)) in enumerate(zip(parts, bounds, strict=True)):
+  for i, (part, lo) in enumerate(zip(parts, starts, strict=True)):
     y = jcore.Var((then or gather).outvars[0].aval)
     ys.append(y)
     traced = jax.make_jaxpr(
-      lambda table, *values, lo=lo, hi=hi: _run(
-        eqn, gather, arguments(table, values), part_rule(lo, hi), True
+      lambda table, *values, lo=lo: _run(
+        eqn, gather, arguments(table, values), part_rule(lo), True
       )
     )(part.aval, *[a.aval for a in inputs])
     _inline(traced, [part, *inputs], [y], new_eqns, consts)
