@@ -92,7 +92,15 @@ def define_flags():
     "time's noise: with 64, a few us each, the difference was noise).",
     lower_bound=1,
   )
-  flags.DEFINE_float("learning_rate", 0.05, "SGD learning rate.")
+  flags.DEFINE_enum(
+    "optimizer",
+    "sgd",
+    ["sgd", "adam"],
+    "What both systems step with: SGD, or Adam (its update reads and "
+    "writes three times the parameters' bytes: where the runtime's update "
+    "of donated state costs more than plain JAX's, Adam shows it).",
+  )
+  flags.DEFINE_float("learning_rate", 0.05, "The optimizer's learning rate.")
   flags.DEFINE_integer("core", 0, "Core of the one-device process.")
   flags.DEFINE_bool(
     "smoke", False, "Tiny sizes and 2 pairs: checks the machinery only."
@@ -169,10 +177,16 @@ def replicated(trainer, batch):
   return trainer.put_batch(batch)
 
 
+def make_optimizer(options):
+  """The optax optimizer `--optimizer` names, at `--learning_rate`."""
+  import optax
+
+  return getattr(optax, options.optimizer)(options.learning_rate)
+
+
 def measure_row(case: Case, schedule: str, num_stages: int, options) -> dict:
   """One row: ours and plain, alternating (see the module docstring)."""
   import jax
-  import optax
 
   from graphpipe import Trainer, capture
 
@@ -184,7 +198,7 @@ def measure_row(case: Case, schedule: str, num_stages: int, options) -> dict:
     granularity=2,
     name=case.model,
   )
-  optimizer = optax.sgd(options.learning_rate)
+  optimizer = make_optimizer(options)
   plan = chain_plan(graph, case, num_stages, schedule)
   trainer = Trainer(plan, optimizer, graph=graph)
   state = trainer.init(model)
@@ -269,8 +283,6 @@ def lockstep_time(schedule, forward_s: float, backward_s: float) -> float:
 
 def empty_tick(case: Case, num_stages: int, options) -> float:
   """Seconds of one idle tick (see the module docstring)."""
-  import optax
-
   from graphpipe import Trainer, capture
 
   model, loss_fn, batch = build(case)
@@ -282,15 +294,13 @@ def empty_tick(case: Case, num_stages: int, options) -> float:
     name=case.model,
   )
   plan = chain_plan(graph, case, num_stages, "1f1b")
-  base = Trainer(plan, optax.sgd(options.learning_rate), graph=graph)
+  base = Trainer(plan, make_optimizer(options), graph=graph)
   schedule = base.schedule
   padded = dataclasses.replace(
     schedule,
     grid=tuple(row + (None,) * options.idle_ticks for row in schedule.grid),
   )
-  longer = Trainer(
-    plan, optax.sgd(options.learning_rate), graph=graph, schedule=padded
-  )
+  longer = Trainer(plan, make_optimizer(options), graph=graph, schedule=padded)
   states = {"base": base.init(model), "longer": longer.init(model)}
   data = replicated(base, batch)
 
@@ -433,6 +443,7 @@ def main(argv):
       "pairs": options.pairs,
       "warmup": options.warmup,
       "idle_ticks": options.idle_ticks,
+      "optimizer": options.optimizer,
       "learning_rate": options.learning_rate,
       "smoke": options.smoke,
       "xla_flags": os.environ.get("XLA_FLAGS", ""),

@@ -1,5 +1,6 @@
 """Runtime: multi-process, checkpoints, memory, bad input."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -359,3 +360,62 @@ def test_random_draws_in_the_batch_shape_from_a_fixed_key_are_refused():
     trainer = Trainer(two_micro_batches, optax.sgd(0.1), graph=graph)
     got = trainer.loss_and_grads(trainer.init(model), batch)[0]
     assert got == pytest.approx(float(loss(model, batch)), rel=1e-5)
+
+
+def test_step_updates_the_optimizer_state_in_place():
+  """The compiled step copies no optimizer-state buffer: the state is
+  donated and updated in place (the update and the skip of a non-finite
+  step are one cond; a select of the new and the old state made XLA copy
+  every buffer of it first, 5x the update's time for Adam on one CPU
+  core). Plans with replicated and ZeRO-1 stages."""
+  import re
+
+  import jax
+
+  graph = rc.tiny_graph("two_branch")
+  model, batch = rc.model_and_batch("two_branch")
+  size = len(next(iter(batch.values())))
+  nodes = [n.id for n in graph.nodes]
+  half = len(nodes) // 2
+  # Two stages, the first on two devices (replicated, then ZeRO-1).
+  groups = [(nodes[:half], [0, 1]), (nodes[half:], [2])]
+  base = rc.manual_plan(graph, groups, size // 2, size)
+  zero = dataclasses.replace(
+    base,
+    stages=(
+      dataclasses.replace(base.stages[0], sharding="zero1"),
+      base.stages[1],
+    ),
+  )
+  assert any(s.sharding == "zero1" for s in zero.stages)
+  for plan in (base, zero):
+    trainer = Trainer(plan, optax.adam(1e-2), graph=graph)
+    state = trainer.init(model)
+    fed = trainer.put_batch(batch)
+    text = trainer._step.lower(state, fed.words, fed.statistics).compile()
+    entry = text.as_text().split("\nENTRY ", 1)[1]
+    # The entry's parameters in the flattened order of the arguments: the
+    # state's parameters, variables, optimizer state, step, then the batch.
+    first = len(jax.tree.leaves(state.params)) + len(
+      jax.tree.leaves(state.state)
+    )
+    wanted = range(first, first + len(jax.tree.leaves(state.opt_state)))
+    names = {
+      m[1]
+      for m in re.finditer(r"(%\S+) = \S+ parameter\((\d+)\)", entry)
+      if int(m[2]) in wanted
+    }
+    assert len(names) == len(wanted)
+    # (the same buffers seen through a bitcast)
+    names |= {
+      m[1]
+      for m in re.finditer(r"(%\S+) = \S+ bitcast\((%[^)]+)\)", entry)
+      if m[2] in names
+    }
+    copied = [
+      m[0] for m in re.finditer(r"copy\((%[^)]+)\)", entry) if m[1] in names
+    ]
+    assert not copied, copied[:3]
+    # ... and it still trains like plain JAX (a step is exact).
+    state, metrics = trainer.step(state, batch)
+    assert np.isfinite(metrics["loss"])
