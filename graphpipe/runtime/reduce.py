@@ -58,6 +58,8 @@ def ring_sum(
     # program); what they compute is dropped below.
     at = jnp.mod(pos, n)
     summed = tuple(_ring(v, n, at, ring, axis) for v in values)
+    if (size == n).all():  # every device's own sum: nothing to keep
+      return summed
     out = tuple(
       jnp.where(mine == n, s, o) for s, o in zip(summed, out, strict=True)
     )
@@ -74,27 +76,44 @@ def _ring(value, n: int, at, ring, axis: str):
 
 def reduce_scatter(value, n: int, at, ring, axis: str):
   """The first half of the ring: `value` padded to n chunks, and the whole
-  sum of chunk `owned_chunk(at, n)` over the ring (traced; [chunk])."""
+  sum of chunk `owned_chunk(at, n)` over the ring (traced; [chunk]).
+
+  One chunk travels: at step t a device sends the partial sum it holds
+  (its own chunk at - t to begin with) and adds its own values of chunk
+  at - 1 - t to what it receives. Nothing the size of `value` is written
+  (a partial-sum array updated in place made XLA copy the input).
+  """
   length = value.shape[0]
   chunk = -(-length // n)
-  own = jnp.pad(value, (0, n * chunk - length)).reshape(n, chunk)
-  partial = own
+  own = (
+    value if length == n * chunk else jnp.pad(value, (0, n * chunk - length))
+  )
+  own = own.reshape(n, chunk)
+  carry = lax.dynamic_index_in_dim(own, jnp.mod(at, n), keepdims=False)
   for t in range(n - 1):
-    sent = lax.ppermute(partial[jnp.mod(at - t, n)], axis, ring)
-    c = jnp.mod(at - 1 - t, n)
-    partial = partial.at[c].set(sent + own[c])
-  return partial[owned_chunk(at, n)]
+    mine = lax.dynamic_index_in_dim(own, jnp.mod(at - 1 - t, n), keepdims=False)
+    carry = lax.ppermute(carry, axis, ring) + mine
+  return carry
 
 
 def all_gather(chunk, n: int, at, ring, axis: str):
   """The second half: every device's `chunk` (chunk `owned_chunk(at, n)`
-  of the whole) sent round the ring; the n chunks in order, flat."""
-  partial = jnp.zeros((n, chunk.shape[0]), chunk.dtype)
-  partial = partial.at[owned_chunk(at, n)].set(chunk)
-  for t in range(n - 1):
-    sent = lax.ppermute(partial[jnp.mod(at + 1 - t, n)], axis, ring)
-    partial = partial.at[jnp.mod(at - t, n)].set(sent)
-  return partial.reshape(-1)
+  of the whole) sent round the ring; the n chunks in order, flat.
+
+  At step t a device receives chunk at - t and passes it on at step t + 1;
+  the result is written once, each of its n chunks selected from what
+  arrived (an array filled in place by the arrivals made XLA copy it into
+  the output).
+  """
+  arrived = []  # arrived[t]: chunk (at - t) mod n
+  carry = chunk
+  for _ in range(n - 1):
+    carry = lax.ppermute(carry, axis, ring)
+    arrived.append(carry)
+  arrived.append(chunk)  # chunk (at + 1) mod n = (at - (n - 1)) mod n
+  return jnp.concatenate(
+    [lax.select_n(jnp.mod(at - j, n), *arrived) for j in range(n)]
+  )
 
 
 def owned_chunk(at, n: int):

@@ -65,3 +65,25 @@ def test_each_device_sends_the_rings_bytes(n):
   chunk = -(-length // n)
   for line in sends:
     assert f"f32[{chunk}]" in line.split("collective-permute(")[0]
+
+
+@pytest.mark.parametrize(
+  "groups",
+  [[(0, 1, 2, 3), (4, 5, 6, 7)], [(0, 1), (2, 3), (4, 5), (6, 7)], GROUPS],
+)
+def test_the_ring_copies_no_slot(groups):
+  """Only chunks are written besides the result: no copy of the slot and
+  no partial-sum array of its size (they doubled the ring's time over
+  gloo on 2 CPU processes, 160 -> 86 ms for 26 MB in 20 slots, and its
+  temporaries: 2.0-2.5 slots for one group size, 7.3 for GROUPS' two;
+  2026-12-07). The chunks in flight take about one slot per group size."""
+  length = 4 * 2**14
+  values = [jnp.ones((8, length), jnp.float32)]
+  fn, _ = _run(groups, values)
+  compiled = fn.lower(*values).compile()
+  entry = compiled.as_text().split("\nENTRY ", 1)[1]
+  assert " copy(" not in entry
+  sizes = {len(g) for g in groups if len(g) > 1}
+  slot = 4 * length
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert temp <= 1.1 * slot * len(sizes), temp / slot
