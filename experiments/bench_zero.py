@@ -115,6 +115,8 @@ def main(argv):
     r / z for r, z in zip(times["replicated"], times["zero1"], strict=True)
   ]
   latency = pinned.link_latency()
+  sizes = trainers["replicated"].buffers.params.sizes
+  ring = pinned.ring_time(sizes)
   if not leader:
     return
   micro = options.batch_size // options.microbatches
@@ -122,6 +124,12 @@ def main(argv):
   costs = pinned.cost_model(graph, spec, (micro // 4, micro // 2, micro))
   predicted = {
     name: simulate(plan, graph, costs, lockstep=True).iteration_time_s
+    for name, plan in plans.items()
+  }
+  # The same with the all-reduce measured as the runtime runs it.
+  measured_ring = pinned.MeasuredRing(costs, 4 * sum(sizes), ring)
+  predicted_ring = {
+    name: simulate(plan, graph, measured_ring, lockstep=True).iteration_time_s
     for name, plan in plans.items()
   }
   measured = pinned.medians(times)
@@ -145,6 +153,12 @@ def main(argv):
     "zero_step_error": predicted["zero1"] / measured["zero1"] - 1,
     "replicated_step_error": predicted["replicated"] / measured["replicated"]
     - 1,
+    "ring_time_s": ring,
+    "allreduce_priced_s": costs.allreduce_time(4 * sum(sizes), (0, 1)),
+    "predicted_step_time_measured_ring_s": predicted_ring,
+    "measured_over_predicted_measured_ring": {
+      name: measured[name] / predicted_ring[name] for name in names
+    },
     "cpu_spec": spec.source,
     "collective_latency_s": latency,
     "setup": "2 processes x 1 CPU device, each pinned to its own core",
@@ -161,6 +175,9 @@ def main(argv):
           "predicted_step_time_s",
           "zero_step_error",
           "replicated_step_error",
+          "ring_time_s",
+          "allreduce_priced_s",
+          "measured_over_predicted_measured_ring",
         )
       },
       indent=1,

@@ -122,6 +122,64 @@ def link_latency(repeats: int = 50) -> float:
   return statistics.median(times)
 
 
+def ring_time(slot_sizes, repeats: int = 11) -> float:
+  """Median seconds of the runtime's gradient all-reduce
+  (`graphpipe.runtime.reduce.ring_sum`) over float32 slots of
+  `slot_sizes` elements between the two devices, jitted alone (every
+  process must call it: it is a collective)."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from graphpipe.runtime.reduce import ring_sum
+
+  mesh = Mesh(np.asarray(jax.devices()[:2]), ("pipe",))
+  spec = (P("pipe"),) * len(slot_sizes)
+
+  def body(*rows):
+    summed = ring_sum(tuple(r[0] for r in rows), [(0, 1)], 2, "pipe")
+    return tuple(x[None] for x in summed)
+
+  ring = jax.jit(
+    jax.shard_map(
+      body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False
+    )
+  )
+  slots = []
+  for size in slot_sizes:
+    host = np.ones((2, size), np.float32)
+    slots.append(
+      jax.make_array_from_callback(
+        host.shape, NamedSharding(mesh, P("pipe")), lambda i, h=host: h[i]
+      )
+    )
+  jax.block_until_ready(ring(*slots))
+  times = []
+  for _ in range(repeats):
+    begin = time.perf_counter()
+    jax.block_until_ready(ring(*slots))
+    times.append(time.perf_counter() - begin)
+  return statistics.median(times)
+
+
+class MeasuredRing:
+  """A cost model whose all-reduce between two devices is the runtime's
+  ring measured on them (`ring_time`: `seconds` for `num_bytes`, scaled
+  by the bytes), the rest from `base`."""
+
+  def __init__(self, base, num_bytes: float, seconds: float):
+    self.base, self.num_bytes, self.seconds = base, num_bytes, seconds
+
+  def __getattr__(self, name):
+    return getattr(self.base, name)
+
+  def allreduce_time(self, num_bytes: float, devices) -> float:
+    if len(devices) <= 1 or num_bytes <= 0:
+      return 0.0
+    return self.seconds * num_bytes / self.num_bytes
+
+
 def cpu_spec(latency: float):
   """This CPU's measured spec (`measure_cpu`) with `latency` on every
   link."""
