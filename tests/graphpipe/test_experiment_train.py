@@ -116,6 +116,16 @@ def test_bench_zero_smoke(tmp_path):
   assert results["zero_step_error"] == pytest.approx(
     predicted["zero1"] / measured["zero1"] - 1
   )
+  # The all-reduce priced at the ring measured on the two devices: the
+  # simulated steps differ from the priced ones by that difference alone
+  # (one all-reduce per step, on the critical path of a one-stage plan).
+  ring = results["ring_time_s"]
+  assert ring > 0
+  with_ring = results["predicted_step_time_measured_ring_s"]
+  delta = ring - results["allreduce_priced_s"]
+  assert with_ring["replicated"] == pytest.approx(
+    predicted["replicated"] + delta, rel=1e-6
+  )
 
 
 def test_bench_split_smoke(tmp_path):
