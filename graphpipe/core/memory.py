@@ -157,10 +157,11 @@ def device_bytes(h: Holdings) -> dict[str, int]:
 
   Gradients: the accumulator and the reduced result, both the size of the
   parameter slots; summing a data-parallel group (a ring all-reduce,
-  `graphpipe.runtime.reduce`) also holds the slots cut into chunks and the
-  ring's partial sums, whatever the group's size (a ZeRO-1 stage's
-  reduce-scatter and all-gather are the ring's two halves, and its owned
-  vectors are smaller than the slot-size updates they replace).
+  `graphpipe.runtime.reduce`) is counted as two slots more, whatever the
+  group's size: an upper bound of the ring's chunks in flight (about one
+  slot per group size) and of a ZeRO-1 stage's reduce-scatter and
+  all-gather (the ring's two halves; its owned vectors are smaller than
+  the slot-size updates they replace).
   Channels: what arrived, and what the forward and the backward send.
   Work: the largest action's transient memory, the gradients of its
   parameters and the slots they are scattered into (an embedding's
