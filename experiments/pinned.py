@@ -113,13 +113,7 @@ def link_latency(repeats: int = 50) -> float:
   x = jax.make_array_from_callback(
     host.shape, NamedSharding(mesh, P("pipe")), lambda i: host[i]
   )
-  swap(x).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    begin = time.perf_counter()
-    swap(x).block_until_ready()
-    times.append(time.perf_counter() - begin)
-  return statistics.median(times)
+  return _median_seconds(swap, (x,), repeats)
 
 
 def ring_time(slot_sizes, repeats: int = 11) -> float:
@@ -154,11 +148,18 @@ def ring_time(slot_sizes, repeats: int = 11) -> float:
         host.shape, NamedSharding(mesh, P("pipe")), lambda i, h=host: h[i]
       )
     )
-  jax.block_until_ready(ring(*slots))
+  return _median_seconds(ring, slots, repeats)
+
+
+def _median_seconds(fn, args, repeats: int) -> float:
+  """Median seconds of `repeats` calls of `fn(*args)` after one untimed."""
+  import jax
+
+  jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
     begin = time.perf_counter()
-    jax.block_until_ready(ring(*slots))
+    jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - begin)
   return statistics.median(times)
 

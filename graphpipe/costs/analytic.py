@@ -260,17 +260,20 @@ def best_time(fn: Callable, *args, repeats: int = 5) -> float:
   return best
 
 
-def _in_place_time(x) -> float:
-  """The fastest of 5 elementwise passes over `x` that write over it (the
-  input donated; `x` itself is consumed)."""
-  bump = jax.jit(lambda v: v + 1.0, donate_argnums=0)
-  x = bump(x)
-  jax.block_until_ready(x)
+def best_time_in_place(fn: Callable, first, *rest, repeats: int = 5) -> float:
+  """The fastest of `repeats` timed calls of `fn(first, *rest)`, each
+  writing over `first`: `fn` is jitted with its first argument donated
+  and each call takes the previous result (`first` itself is consumed).
+  What updates of donated buffers cost, without the system mapping fresh
+  pages for a new result (`best_time` pays that on large outputs)."""
+  step = jax.jit(fn, donate_argnums=0)
+  out = step(first, *rest)
+  jax.block_until_ready(out)
   best = float("inf")
-  for _ in range(5):
+  for _ in range(repeats):
     start = time.perf_counter()
-    x = bump(x)
-    jax.block_until_ready(x)
+    out = step(out, *rest)
+    jax.block_until_ready(out)
     best = min(best, time.perf_counter() - start)
   return best
 
@@ -310,7 +313,7 @@ def measure_cpu() -> DeviceSpec:
   peak = rates[512] * (large + half) / large
   x = jnp.ones((8 * 2**20,), jnp.float32)
   copy_bw = 2 * x.nbytes / best_time(jax.jit(lambda v: v + 1.0), x)
-  stream_bw = 2 * x.nbytes / _in_place_time(x)
+  stream_bw = 2 * x.nbytes / best_time_in_place(lambda v: v + 1.0, x)
   host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   num_devices = max(jax.local_device_count("cpu"), 1)
   return DeviceSpec(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Sequence
 
 import jax
@@ -20,7 +19,11 @@ import numpy as np
 
 from graphpipe.core.fingerprint import graph_fingerprint
 from graphpipe.core.graph import Node, OpGraph
-from graphpipe.costs.analytic import AnalyticCostModel, best_time
+from graphpipe.costs.analytic import (
+  AnalyticCostModel,
+  best_time,
+  best_time_in_place,
+)
 from graphpipe.errors import CostModelError
 
 
@@ -239,17 +242,9 @@ class ProfiledCostModel:
     memoised."""
     elements = max(1, int(num_bytes) // 4)
     if elements not in self._adds:
-      # Into the first array, donated, as into the runtime's accumulator
-      # (an add into new memory also times the system mapping its pages).
-      add = jax.jit(jnp.add, donate_argnums=0)
+      # Into the first array, as into the runtime's accumulator (an add
+      # into new memory also times the system mapping its pages).
       total, grad = jnp.zeros((elements,), jnp.float32), jnp.ones((elements,))
-      total = add(total, grad)
-      jax.block_until_ready(total)
-      seconds = float("inf")
-      for _ in range(5):
-        start = time.perf_counter()
-        total = add(total, grad)
-        jax.block_until_ready(total)
-        seconds = min(seconds, time.perf_counter() - start)
+      seconds = best_time_in_place(jnp.add, total, grad, repeats=5)
       self._adds[elements] = seconds * 4 / 3
     return self._adds[elements]
