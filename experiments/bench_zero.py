@@ -116,6 +116,7 @@ def main(argv):
   ]
   latency = pinned.link_latency()
   sizes = trainers["replicated"].buffers.params.sizes
+  slot_bytes = 4 * sum(sizes)  # float32 slots
   ring = pinned.ring_time(sizes)
   if not leader:
     return
@@ -127,7 +128,7 @@ def main(argv):
     for name, plan in plans.items()
   }
   # The same with the all-reduce measured as the runtime runs it.
-  measured_ring = pinned.MeasuredRing(costs, 4 * sum(sizes), ring)
+  measured_ring = pinned.MeasuredRing(costs, slot_bytes, ring)
   predicted_ring = {
     name: simulate(plan, graph, measured_ring, lockstep=True).iteration_time_s
     for name, plan in plans.items()
@@ -154,7 +155,7 @@ def main(argv):
     "replicated_step_error": predicted["replicated"] / measured["replicated"]
     - 1,
     "ring_time_s": ring,
-    "allreduce_priced_s": costs.allreduce_time(4 * sum(sizes), (0, 1)),
+    "allreduce_priced_s": costs.allreduce_time(slot_bytes, (0, 1)),
     "predicted_step_time_measured_ring_s": predicted_ring,
     "measured_over_predicted_measured_ring": {
       name: measured[name] / predicted_ring[name] for name in names

@@ -416,6 +416,7 @@ def test_step_updates_the_optimizer_state_in_place():
       m[0] for m in re.finditer(r"copy\((%[^)]+)\)", entry) if m[1] in names
     ]
     assert not copied, copied[:3]
-    # ... and it still trains like plain JAX (a step is exact).
+    # ... and that step runs (its exactness: test_zero.py and the runtime
+    # tests against plain JAX).
     state, metrics = trainer.step(state, batch)
     assert np.isfinite(metrics["loss"])
